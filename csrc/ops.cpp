@@ -1,0 +1,17 @@
+// The one place the fgfw op schemas are defined. Kernels register their implementations with
+// TORCH_LIBRARY_IMPL in their own files (cpu/, cuda/); python/fgfw/reference.py is the spec.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fgfw, m) {
+  // Writes the tangent stream for out's elements (flat order, stream index offset + j).
+  // distribution: 0 = Gaussian (Box-Muller, float32), 1 = Rademacher.
+  m.def("fill_tangent_(Tensor(a!) out, int seed, int step, int tangent_id, int offset, int distribution) -> ()");
+  // One fused Frank-Wolfe step over L1 ball(s) for a group of same-device, same-dtype tensors.
+  // schedule: float64 (step, alpha, gamma) on the params' device; tangent_coeffs: float64 [K];
+  // grads empty -> forward gradient from the tangent stream; momentum empty -> no momentum;
+  // gap: float64 scalar, receives the Frank-Wolfe gap.
+  m.def(
+      "l1_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
+      "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
+      "Tensor(c!) gap) -> ()");
+}

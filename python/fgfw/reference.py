@@ -1,0 +1,194 @@
+"""Pure-torch reference of every fgfw op: the spec that every backend is tested against.
+
+Short, obvious and slow on purpose. The C++, CUDA and Triton kernels mirror these function names
+and must agree with them on the same inputs (bit-exact for Rademacher tangents and for the
+integer Philox stream, within a tight tolerance for Gaussian tangents and floating arithmetic).
+
+The tangent stream (never change it without bumping TANGENT_STREAM_VERSION: saved runs depend on it)
+----------------------------------------------------------------------------------------------------
+Philox4x32-10, key = the 64-bit seed as (lo, hi). Element i of the optimizer's flat parameter index
+space (parameter order, then flat index; each tensor starts at its ``offset``) uses the call at
+counter = (q lo, q hi, step, tangent_id) with q = i // 4 and takes word i % 4.
+
+* Rademacher: +1 if the word's top bit is 0, else -1 (bit-exact everywhere).
+* Gaussian: words (0, 1) and (2, 3) of a call are Box-Muller pairs. Uniforms are
+  ``(float32(w >> 8) + 0.5f) * 2^-24`` in float32 (never 0). The first word gives the radius
+  ``sqrt(-2 ln u1)``, the second the angle ``2 pi u2``; ``r cos`` goes to the even element, ``r sin``
+  to the odd one. All in float32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+TANGENT_STREAM_VERSION = 1
+
+GAUSSIAN = 0
+RADEMACHER = 1
+DISTRIBUTIONS = {"gaussian": GAUSSIAN, "rademacher": RADEMACHER}
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M0 = 0xD2511F53
+_PHILOX_M1 = 0xCD9E8D57
+_PHILOX_W0 = 0x9E3779B9
+_PHILOX_W1 = 0xBB67AE85
+_TWO_PI_F32 = 6.2831853071795864769  # rounded to float32 where it is used, as the kernels do
+
+
+def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * m for int64 tensors holding uint32 values, without overflow."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    lo_part = a_lo * m  # < 2^48
+    hi_part = a_hi * m  # < 2^48
+    lo = (((hi_part & 0xFFFF) << 16) + lo_part) & _MASK32
+    hi = (hi_part + (lo_part >> 16)) >> 16
+    return hi & _MASK32, lo
+
+
+def philox4x32_10(counter: Sequence[torch.Tensor | int], key: Sequence[int]) -> list[torch.Tensor]:
+    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors that hold uint32 values.
+
+    ``counter`` is four tensors (or ints) broadcast together; ``key`` two ints. Returns four tensors.
+    """
+    c = [torch.as_tensor(x, dtype=torch.int64) for x in counter]
+    c = list(torch.broadcast_tensors(*c))
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    for rnd in range(10):
+        if rnd:
+            k0 = (k0 + _PHILOX_W0) & _MASK32
+            k1 = (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(c[0], _PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c[2], _PHILOX_M1)
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+    return c
+
+
+def seed_to_key(seed: int) -> tuple[int, int]:
+    """The Philox key of a seed: its 64 bits as (lo, hi); negative seeds use two's complement."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return s & _MASK32, s >> 32
+
+
+def uniform_from_word(w: torch.Tensor) -> torch.Tensor:
+    """float32 uniform in (0, 1] from a 32-bit word, exactly as every kernel computes it."""
+    return ((w >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def _philox_words(numel: int, seed: int, step: int, tangent_id: int, offset: int, device) -> torch.Tensor:
+    """The raw words for elements [offset, offset + numel), as a (calls, 4) int64 tensor, and the slice."""
+    q_first, q_last = offset // 4, (offset + numel - 1) // 4
+    q = torch.arange(q_first, q_last + 1, dtype=torch.int64, device=device)
+    words = philox4x32_10((q & _MASK32, q >> 32, step & _MASK32, tangent_id & _MASK32), seed_to_key(seed))
+    return torch.stack(words, dim=1), offset - 4 * q_first
+
+
+def tangent(numel: int, seed: int, step: int, tangent_id: int, offset: int = 0,
+            distribution: int = GAUSSIAN, device="cpu") -> torch.Tensor:
+    """The float32 tangent u for elements [offset, offset + numel) of the stream."""
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    words, start = _philox_words(numel, seed, step, tangent_id, offset, device)
+    if distribution == RADEMACHER:
+        values = (1 - 2 * (words >> 31)).to(torch.float32)
+    elif distribution == GAUSSIAN:
+        u = uniform_from_word(words)
+        radius = torch.sqrt(-2.0 * torch.log(u[:, 0::2]))
+        angle = torch.tensor(_TWO_PI_F32, dtype=torch.float32) * u[:, 1::2]
+        # even element: r cos, odd element: r sin, for each of the two pairs of a call
+        values = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=2).reshape(-1, 4)
+    else:
+        raise ValueError(f"distribution must be {GAUSSIAN} (gaussian) or {RADEMACHER} (rademacher), got {distribution}")
+    return values.reshape(-1)[start:start + numel]
+
+
+def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offset: int, distribution: int) -> None:
+    """Writes the tangent of ``out``'s elements (flat order, stream index offset + j) into ``out``."""
+    u = tangent(out.numel(), seed, step, tangent_id, offset, distribution, device=out.device)
+    out.copy_(u.view(out.shape))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic and momentum dtype for a parameter dtype: float64 stays, everything else is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def direction(param: torch.Tensor, grad: torch.Tensor | None, tangent_coeffs: torch.Tensor, seed: int,
+              step: int, offset: int, distribution: int) -> torch.Tensor:
+    """The gradient estimate g: ``grad``, or sum_k coeff_k u_k for the forward gradient."""
+    cdt = compute_dtype(param.dtype)
+    if grad is not None:
+        return grad.reshape(-1).to(cdt)
+    coeffs = tangent_coeffs.to(cdt)
+    g = None
+    for k in range(coeffs.numel()):
+        term = coeffs[k] * tangent(param.numel(), seed, step, k, offset, distribution, param.device).to(cdt)
+        g = term if g is None else g + term
+    return g
+
+
+def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float],
+                global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
+                gap: torch.Tensor) -> None:
+    """One Frank-Wolfe step over the L1 ball(s), in place. The spec of the fused kernels.
+
+    * ``schedule`` = float64 tensor (step k, alpha_k, gamma_k).
+    * direction g: ``grads[t]`` if grads are given (backprop FW), else the forward gradient
+      sum_k tangent_coeffs[k] * u_k regenerated from (seed, step, k, offsets[t] + j).
+    * momentum given: v = (1 - gamma) v + gamma g, d = v (AFGFW / FW with momentum); else d = g (FGFW).
+    * LMO: per tensor (``radii[t]``) or one ball over all tensors (``global_ball``, ``radii[0]``):
+      i* = argmax |d_i| (lowest index wins ties), s = -r sign(d_i*) e_i*.
+    * theta <- (1 - alpha) theta + alpha s.
+    * ``gap`` <- the Frank-Wolfe gap <d, theta - s> at the old theta, summed over balls.
+    """
+    step, alpha, gamma = (float(x) for x in schedule.tolist())
+    step = int(step)
+    directions = []
+    total_gap = 0.0
+    for t, p in enumerate(params):
+        cdt = compute_dtype(p.dtype)
+        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if offsets else 0,
+                      distribution)
+        if momentum:
+            v = momentum[t].view(-1)
+            gamma_c = torch.tensor(gamma, dtype=cdt)
+            v.copy_((1 - gamma_c) * v + gamma_c * g)
+            d = v.clone()
+        else:
+            d = g
+        directions.append(d)
+        total_gap += float((d.double() * p.reshape(-1).double()).sum())
+        alpha_c = torch.tensor(alpha, dtype=cdt)
+        p.copy_(((1 - alpha_c) * p.to(cdt)).to(p.dtype))
+
+    def vertex_update(t: int, i: int, r: float) -> float:
+        d_i = directions[t][i]
+        p_flat = params[t].view(-1)
+        cdt = compute_dtype(p_flat.dtype)
+        s_i = -torch.tensor(r, dtype=cdt) * torch.sign(d_i)
+        p_flat[i] = (p_flat[i].to(cdt) + torch.tensor(alpha, dtype=cdt) * s_i).to(p_flat.dtype)
+        return float(d_i.abs()) * r
+
+    live = [t for t, d in enumerate(directions) if d.numel() > 0]
+    if global_ball:
+        if live:
+            maxima = torch.stack([directions[t].abs().max().double() for t in live])
+            best = int(torch.argmax(maxima))  # first tensor holding the max: lowest global index
+            t = live[best]
+            total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[0])
+    else:
+        for t in live:
+            total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[t])
+    gap.fill_(total_gap)
+
+
+def l1_lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
+    """Dense vertex s = argmin_{||s||_1 <= r} <direction, s> = -r sign(d_i*) e_i*. For tests and docs."""
+    s = torch.zeros_like(direction)
+    flat = direction.reshape(-1)
+    if flat.numel():
+        i = int(torch.argmax(flat.abs()))
+        s.view(-1)[i] = -radius * torch.sign(flat[i])
+    return s
