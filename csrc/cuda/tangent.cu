@@ -1,0 +1,69 @@
+// fill_tangent_ on CUDA: materialises the tangent stream (philox.h) for the forward-mode JVP.
+// Only c10/cuda and ATen core headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE
+// headers and double the compile time.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "op_args.h"
+#include "philox.h"
+
+namespace fgfw {
+namespace {
+
+constexpr int kThreads = 256;
+// Resident blocks per SM to aim for; the grid-stride loop covers the rest.
+constexpr int kBlocksPerSm = 8;
+
+// Thread c computes Philox call first_call + c (grid-stride) and writes its (up to) four elements.
+template <typename out_t>
+__global__ void fill_tangent_kernel(out_t* __restrict__ out, int64_t numel, TangentStream stream, int64_t offset,
+                                    int64_t first_call, int64_t num_calls, int64_t distribution) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < num_calls; c += stride) {
+    const int64_t q = first_call + c;
+    float u[4];
+    stream.values(static_cast<uint64_t>(q), distribution, u);
+#pragma unroll
+    for (int lane = 0; lane < 4; ++lane) {
+      const int64_t j = 4 * q + lane - offset;
+      if (j >= 0 && j < numel) out[j] = static_cast<out_t>(u[lane]);
+    }
+  }
+}
+
+void fill_tangent_cuda(const at::Tensor& out, int64_t seed, int64_t step, int64_t tangent_id, int64_t offset,
+                       int64_t distribution) {
+  check_fill_tangent_args(out, offset, distribution);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(out.device());
+  const TangentStream stream(seed, step, tangent_id);
+  write_contiguous(out, [&](const at::Tensor& dst) {
+    const int64_t numel = dst.numel();
+    const int64_t first_call = offset / 4;
+    const int64_t num_calls = (offset + numel - 1) / 4 - first_call + 1;
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dst.get_device()));
+    const int64_t blocks = std::min<int64_t>((num_calls + kThreads - 1) / kThreads, int64_t{sms} * kBlocksPerSm);
+    const cudaStream_t cuda_stream = c10::cuda::getCurrentCUDAStream(dst.get_device()).stream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "fill_tangent_cuda", [&] {
+      fill_tangent_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, cuda_stream>>>(
+          dst.data_ptr<scalar_t>(), numel, stream, offset, first_call, num_calls, distribution);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fgfw, CUDA, m) {
+  m.impl("fill_tangent_", &fill_tangent_cuda);
+}
+
+}  // namespace fgfw

@@ -1,0 +1,111 @@
+#include "op_args.h"
+
+#include <c10/util/Exception.h>
+
+#include "philox.h"
+
+namespace fgfw {
+namespace {
+
+bool is_param_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+void check_distribution(const char* op, int64_t distribution) {
+  TORCH_CHECK(distribution == kGaussian || distribution == kRademacher, op,
+              ": distribution must be 0 (gaussian) or 1 (rademacher), got ", distribution);
+}
+
+// A per-parameter tensor (momentum[t], grads[t]) must match its parameter's layout.
+void check_companion(const char* list, size_t t, const at::Tensor& tensor, const at::Tensor& param,
+                     at::ScalarType dtype, const char* dtype_reason) {
+  TORCH_CHECK(tensor.device() == param.device(), "l1_fw_step_: ", list, "[", t, "] must be on ",
+              param.device(), " like params[", t, "], got ", tensor.device());
+  TORCH_CHECK(tensor.scalar_type() == dtype, "l1_fw_step_: ", list, "[", t, "] must have dtype ", dtype,
+              " (", dtype_reason, "), got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.numel() == param.numel(), "l1_fw_step_: ", list, "[", t, "] must have ",
+              param.numel(), " elements like params[", t, "], got ", tensor.numel());
+  TORCH_CHECK(tensor.is_contiguous(), "l1_fw_step_: ", list, "[", t, "] must be contiguous");
+}
+
+}  // namespace
+
+void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t distribution) {
+  TORCH_CHECK(is_param_dtype(out.scalar_type()),
+              "fill_tangent_: out must be float32, float64, bfloat16 or float16, got ", out.scalar_type());
+  TORCH_CHECK(offset >= 0, "fill_tangent_: offset must be >= 0, got ", offset);
+  check_distribution("fill_tangent_", distribution);
+}
+
+void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                           const at::Tensor& schedule, const at::Tensor& tangent_coeffs,
+                           c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
+                           int64_t distribution, const at::Tensor& gap) {
+  const size_t n = params.size();
+  const c10::Device device = n ? params[0].device() : schedule.device();
+  const bool forward_gradient = grads.empty();
+
+  TORCH_CHECK(momentum.empty() || momentum.size() == n,
+              "l1_fw_step_: momentum must be empty (no momentum) or hold one tensor per parameter (", n,
+              "), got ", momentum.size());
+  TORCH_CHECK(grads.empty() || grads.size() == n,
+              "l1_fw_step_: grads must be empty (forward gradient) or hold one tensor per parameter (", n,
+              "), got ", grads.size());
+  if (global_ball) {
+    TORCH_CHECK(radii.size() == 1, "l1_fw_step_: radii must hold one radius when global_ball is true, got ",
+                radii.size());
+  } else {
+    TORCH_CHECK(radii.size() == n, "l1_fw_step_: radii must hold one radius per parameter (", n, "), got ",
+                radii.size());
+  }
+  // Without offsets every tensor would draw the same tangent values: the forward gradient needs them.
+  TORCH_CHECK(offsets.size() == n || (!forward_gradient && offsets.empty()),
+              "l1_fw_step_: offsets must hold one stream offset per parameter (", n, "), got ", offsets.size(),
+              forward_gradient ? "" : " (it may be empty when grads are given)");
+  for (size_t t = 0; t < offsets.size(); ++t) {
+    TORCH_CHECK(offsets[t] >= 0, "l1_fw_step_: offsets[", t, "] must be >= 0, got ", offsets[t]);
+  }
+
+  if (n > 0) {
+    const at::ScalarType dtype = params[0].scalar_type();
+    TORCH_CHECK(is_param_dtype(dtype), "l1_fw_step_: params must be float32, float64, bfloat16 or float16, got ",
+                dtype);
+    const at::ScalarType cdt = compute_dtype(dtype);
+    for (size_t t = 0; t < n; ++t) {
+      const at::Tensor& p = params[t];
+      TORCH_CHECK(p.device() == device, "l1_fw_step_: params[", t, "] is on ", p.device(),
+                  " but params[0] is on ", device, " (one call per device)");
+      TORCH_CHECK(p.scalar_type() == dtype, "l1_fw_step_: params[", t, "] has dtype ", p.scalar_type(),
+                  " but params[0] has ", dtype, " (one call per dtype)");
+      TORCH_CHECK(p.is_contiguous(), "l1_fw_step_: params[", t, "] must be contiguous");
+      if (!momentum.empty()) {
+        check_companion("momentum", t, momentum[t], p, cdt, "the compute dtype of the params");
+      }
+      if (!forward_gradient) {
+        check_companion("grads", t, grads[t], p, dtype, "the params' dtype");
+      }
+    }
+    if (forward_gradient) {
+      check_distribution("l1_fw_step_", distribution);
+      TORCH_CHECK(tangent_coeffs.device() == device, "l1_fw_step_: tangent_coeffs must be on ", device,
+                  " like the params, got ", tangent_coeffs.device());
+      TORCH_CHECK(tangent_coeffs.scalar_type() == at::kDouble && tangent_coeffs.dim() == 1 &&
+                      tangent_coeffs.numel() > 0 && tangent_coeffs.is_contiguous(),
+                  "l1_fw_step_: tangent_coeffs must be a non-empty contiguous 1-D float64 tensor when grads "
+                  "are empty, got ", tangent_coeffs.scalar_type(), " of shape ", tangent_coeffs.sizes());
+    }
+  }
+
+  TORCH_CHECK(schedule.device() == device, "l1_fw_step_: schedule must be on ", device,
+              " like the params, got ", schedule.device());
+  TORCH_CHECK(schedule.scalar_type() == at::kDouble && schedule.numel() == 3 && schedule.is_contiguous(),
+              "l1_fw_step_: schedule must be a contiguous float64 tensor (step, alpha, gamma) of 3 elements, "
+              "got ", schedule.scalar_type(), " of shape ", schedule.sizes());
+  TORCH_CHECK(gap.device() == device, "l1_fw_step_: gap must be on ", device, " like the params, got ",
+              gap.device());
+  TORCH_CHECK(gap.scalar_type() == at::kDouble && gap.numel() == 1,
+              "l1_fw_step_: gap must be a float64 tensor of one element, got ", gap.scalar_type(), " of shape ",
+              gap.sizes());
+}
+
+}  // namespace fgfw

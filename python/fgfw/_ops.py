@@ -1,0 +1,114 @@
+"""The op layer: one entry point per kernel, and the one place that chooses among backends.
+
+Backends (all implement the signatures of ``fgfw.reference``):
+
+* ``cuda``   - the compiled CUDA kernels in ``fgfw._C`` (CUDA tensors).
+* ``triton`` - the Triton kernels in ``fgfw.triton`` (CUDA tensors; CPU tensors under TRITON_INTERPRET=1).
+* ``cpu``    - the compiled C++ kernels in ``fgfw._C`` (CPU tensors).
+* ``torch``  - ``fgfw.reference``, the pure-torch spec (any device; slow).
+
+``resolve_backend(None, device)`` picks the fastest available one for the device; a name given to an
+optimizer (``backend=``) or in the ``FGFW_BACKEND`` environment variable is honoured or refused with an
+error, never replaced silently.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import reference
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
+BACKEND_ENV_VAR = "FGFW_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_extension() -> bool:
+    try:
+        from . import _C  # noqa: F401  (loaded for its side effect: registering the fgfw ops)
+    except ImportError:
+        return False
+    return True
+
+
+def _has_kernel(op: str, dispatch_key: str) -> bool:
+    return _compiled_extension() and torch._C._dispatch_has_kernel_for_dispatch_key(f"fgfw::{op}", dispatch_key)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    try:
+        from . import triton as fgfw_triton
+    except ImportError:
+        return None
+    return fgfw_triton if fgfw_triton.is_available() else None
+
+
+def backend_available(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` can run on tensors of ``device``."""
+    device = torch.device(device)
+    if backend == "torch":
+        return True
+    if backend == "cpu":
+        return device.type == "cpu" and _has_kernel("l1_fw_step_", "CPU")
+    if backend == "cuda":
+        return device.type == "cuda" and _has_kernel("l1_fw_step_", "CUDA")
+    if backend == "triton":
+        module = _triton_module()
+        return module is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return False
+
+
+def available_backends(device) -> list[str]:
+    """The backends that can run on ``device``, fastest first."""
+    return [b for b in BACKENDS if backend_available(b, device)]
+
+
+def resolve_backend(backend: str | None, device) -> str:
+    """The backend to use on ``device``: ``backend``, else $FGFW_BACKEND, else the fastest available."""
+    device = torch.device(device)
+    source = "backend"
+    if backend is None and os.environ.get(BACKEND_ENV_VAR):
+        backend, source = os.environ[BACKEND_ENV_VAR], BACKEND_ENV_VAR
+    if backend is None or backend == "auto":
+        for candidate in ("cuda", "cpu", "triton", "torch"):
+            # triton on the CPU runs in the (slow) interpreter: only when asked for by name
+            if candidate == "triton" and device.type != "cuda":
+                continue
+            if backend_available(candidate, device):
+                return candidate
+    if backend not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS} or 'auto', got {backend!r}")
+    if not backend_available(backend, device):
+        raise ValueError(
+            f"{source}={backend!r} is not available for {device.type} tensors; available here: "
+            f"{available_backends(device)} (the 'cpu' and 'cuda' backends need the compiled extension fgfw._C, "
+            f"'triton' needs triton and a GPU or TRITON_INTERPRET=1)")
+    return backend
+
+
+def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offset: int, distribution: int,
+                  backend: str) -> torch.Tensor:
+    """Writes the tangent stream into ``out`` (see ``reference.fill_tangent_``) and returns ``out``."""
+    if backend in ("cpu", "cuda"):
+        torch.ops.fgfw.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+    elif backend == "triton":
+        _triton_module().fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+    else:
+        reference.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+    return out
+
+
+def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+                gap, backend: str) -> None:
+    """One fused L1-ball Frank-Wolfe step (see ``reference.l1_fw_step_``) on ``backend``."""
+    args = (list(params), list(momentum), list(grads), schedule, tangent_coeffs, [float(r) for r in radii],
+            bool(global_ball), [int(o) for o in offsets], int(seed), int(distribution), gap)
+    if backend in ("cpu", "cuda"):
+        torch.ops.fgfw.l1_fw_step_(*args)
+    elif backend == "triton":
+        _triton_module().l1_fw_step_(*args)
+    else:
+        reference.l1_fw_step_(*args)

@@ -1,0 +1,103 @@
+"""Constraint sets and their linear minimisation oracles (LMOs).
+
+A constraint is one verb for the algorithms: ``lmo(direction, radius)`` returns
+``argmin_{s in C} <direction, s>``. The optimizers never look inside a set; the fused kernels implement
+the LMO of the sets they support (today the L1 ball) without materialising the vertex.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import reference
+
+SCOPES = ("tensor", "global")
+
+
+def _check_radius(radius, name: str = "radius") -> float:
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)):
+        raise TypeError(f"{name} must be a positive real number, got {type(radius).__name__} {radius!r}")
+    if not math.isfinite(radius) or radius <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {radius!r}")
+    return float(radius)
+
+
+class L1Ball:
+    """The L1 ball ``{theta : ||theta||_1 <= r}`` (the paper's sparsity-promoting constraint).
+
+    Args:
+        radius: the radius r > 0. Leave it out and use :meth:`relative_to_init` for a rule.
+        scope: ``"tensor"`` (default): one ball per parameter tensor, each of radius r (a product of balls;
+            the paper's "constraint on the parameters in all layers"). ``"global"``: one ball over all
+            parameters of a param group together (one vertex per step for the whole group).
+
+    Its vertices are ``-r sign(d_i) e_i``: a scaled one-hot, never stored densely by the optimizers.
+    """
+
+    def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None):
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if radius is None and _relative_scale is None:
+            raise ValueError("radius is required: pass L1Ball(radius=r) with r > 0, or use "
+                             "L1Ball.relative_to_init(scale) to set it from the initial weights")
+        self.radius = None if radius is None else _check_radius(radius)
+        self.relative_scale = None if _relative_scale is None else _check_radius(_relative_scale, "scale")
+        self.scope = scope
+
+    @classmethod
+    def relative_to_init(cls, scale: float = 1.0, *, scope: str = "tensor") -> "L1Ball":
+        """A ball whose radius is ``scale`` times the L1 norm of the initial parameters.
+
+        Per tensor (``scope="tensor"``: r_t = scale * ||theta_t^0||_1) or over the group (``"global"``).
+        Measured on the weights at optimizer construction; ``scale >= 1`` keeps a default initialisation
+        feasible, so training starts from the dense initial point instead of a rescaled one.
+        """
+        return cls(None, scope=scope, _relative_scale=scale)
+
+    @property
+    def global_ball(self) -> bool:
+        return self.scope == "global"
+
+    def __repr__(self) -> str:
+        size = f"radius={self.radius}" if self.radius is not None else f"relative_to_init={self.relative_scale}"
+        return f"L1Ball({size}, scope={self.scope!r})"
+
+    @staticmethod
+    def norm(tensors: Sequence[torch.Tensor]) -> float:
+        return float(sum(t.detach().double().abs().sum() for t in tensors))
+
+    def resolve_radii(self, params: Sequence[torch.Tensor]) -> list[float]:
+        """The radii the kernels take: one per tensor (scope "tensor") or one for the group ("global")."""
+        if self.radius is not None:
+            return [self.radius] if self.global_ball else [self.radius] * len(params)
+        groups = [list(params)] if self.global_ball else [[p] for p in params]
+        radii = []
+        for i, tensors in enumerate(groups):
+            norm = self.norm(tensors)
+            if not norm > 0 or not math.isfinite(norm):
+                where = "the group's parameters" if self.global_ball else f"parameter {i} (shape {tuple(tensors[0].shape)})"
+                raise ValueError(f"L1Ball.relative_to_init cannot set a radius from {where}: its initial L1 norm is "
+                                 f"{norm}; initialise it to non-zero values or pass an explicit radius")
+            radii.append(self.relative_scale * norm)
+        return radii
+
+    def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
+        """Rescales an infeasible start into the ball (with a warning); feasible parameters are untouched."""
+        groups = [list(params)] if self.global_ball else [[p] for p in params]
+        for tensors, r in zip(groups, radii):
+            norm = self.norm(tensors)
+            if norm > r * (1 + 1e-6):
+                warnings.warn(f"initial parameters have L1 norm {norm:.6g} > radius {r:.6g}: rescaled into the "
+                              f"L1 ball by {r / norm:.6g} (pass a larger radius or L1Ball.relative_to_init to keep "
+                              f"the initialisation)", stacklevel=4)
+                with torch.no_grad():
+                    for t in tensors:
+                        t.mul_(r / norm)
+
+    @staticmethod
+    def lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
+        """Dense ``argmin_{||s||_1 <= r} <direction, s>`` (reference; the kernels never build it)."""
+        return reference.l1_lmo(direction, radius)

@@ -1,0 +1,26 @@
+"""Triton backend of the fgfw ops: the same functions and signatures as fgfw.reference.
+
+Kernels compile for CUDA devices; with TRITON_INTERPRET=1 set in the environment before this package
+is imported, they run in Triton's interpreter on CPU tensors instead (slow; for tests).
+"""
+from __future__ import annotations
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+if triton is not None:
+    from .fw_step import l1_fw_step_
+    from .tangent import INTERPRET, fill_tangent_
+
+__all__ = ["fill_tangent_", "is_available", "l1_fw_step_"]
+
+
+def is_available() -> bool:
+    """True when Triton imports and its kernels can run here: a CUDA device, or interpreter mode."""
+    if triton is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available() or INTERPRET

@@ -1,0 +1,269 @@
+"""The compiled CPU l1_fw_step_ against fgfw.reference.l1_fw_step_ on identical inputs.
+
+The kernel mirrors the reference's arithmetic operation by operation, so wherever no transcendental
+function is involved (backprop gradients, Rademacher tangents) parameters and momentum must agree
+bit for bit; Gaussian tangents differ by an ulp of log/sin/cos and are compared with a tolerance.
+The gap is a float64 sum whose order differs, hence a relative tolerance.
+"""
+import random
+
+import pytest
+import torch
+
+from fgfw import reference as ref
+
+GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
+PARAM_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+# Gaussian-tangent tolerances of parameters and momentum, per parameter dtype (momentum is float32
+# for the narrow dtypes; their parameters only see u through the vertex's sign).
+GAUSSIAN_TOL = {
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float64: dict(atol=1e-6, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-6, rtol=1e-5),
+    torch.float16: dict(atol=1e-6, rtol=1e-5),
+}
+EXACT = dict(atol=0, rtol=0)
+
+
+def flat_offsets(params):
+    """Each tensor's first index in the group's stream: parameter order, then flat index."""
+    offsets, start = [], 0
+    for p in params:
+        offsets.append(start)
+        start += p.numel()
+    return offsets
+
+
+def make_group(shapes, dtype, *, momentum, grads, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cdt = ref.compute_dtype(dtype)
+    params = [(0.1 * torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype) for s in shapes]
+    moms = [torch.randn(s, generator=gen, dtype=torch.float64).to(cdt) for s in shapes] if momentum else []
+    grad_list = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes] if grads else []
+    return params, moms, grad_list
+
+
+def run_both(ops, params, momentum, grads, *, schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=None,
+             global_ball=False, offsets=None, seed=5, distribution=GAUSSIAN):
+    """Runs reference and kernel on clones of the same inputs; returns ((params, momentum, gap) x 2)."""
+    radii = list(radii) if radii is not None else ([2.0] if global_ball else [1.0 + t for t in range(len(params))])
+    offsets = flat_offsets(params) if offsets is None else offsets
+    results = []
+    for step in (ref.l1_fw_step_, ops.l1_fw_step_):
+        p = [x.clone() for x in params]
+        m = [x.clone() for x in momentum]
+        gap = torch.full((), float("nan"), dtype=torch.float64)
+        step(p, m, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64),
+             torch.tensor(coeffs, dtype=torch.float64), radii, global_ball, offsets, seed, distribution, gap)
+        results.append((p, m, gap))
+    return results
+
+
+def assert_same_step(expected, got, tol, gap_rtol=1e-9):
+    (p_ref, m_ref, gap_ref), (p, m, gap) = expected, got
+    for t, (a, b) in enumerate(zip(p, p_ref)):
+        torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda s: f"params[{t}]: {s}")
+    for t, (a, b) in enumerate(zip(m, m_ref)):
+        torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda s: f"momentum[{t}]: {s}")
+    torch.testing.assert_close(gap, gap_ref, atol=1e-12, rtol=gap_rtol, equal_nan=True)
+
+
+SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("coeffs", [(0.7,), (0.7, -1.3, 0.25)])
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+def test_forward_gradient_matches_reference(fgfw_ops, dtype, distribution, coeffs, momentum, global_ball):
+    params, moms, _ = make_group(SHAPES, dtype, momentum=momentum, grads=False)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=coeffs, global_ball=global_ball,
+                             distribution=distribution)
+    if distribution == RADEMACHER:
+        assert_same_step(expected, got, EXACT)
+    else:
+        assert_same_step(expected, got, GAUSSIAN_TOL[dtype], gap_rtol=1e-5)
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+def test_backprop_gradient_matches_reference(fgfw_ops, dtype, momentum, global_ball):
+    params, moms, grads = make_group(SHAPES, dtype, momentum=momentum, grads=True)
+    # offsets are unused with grads and may be left empty
+    expected, got = run_both(fgfw_ops, params, moms, grads, global_ball=global_ball, offsets=[])
+    assert_same_step(expected, got, EXACT)
+
+
+def test_step_and_seed_wrap_like_the_reference(fgfw_ops):
+    params, moms, _ = make_group(SHAPES, torch.float32, momentum=True, grads=False)
+    expected, got = run_both(fgfw_ops, params, moms, [], schedule=(2**33 + 5, 0.2, 0.5), seed=-3,
+                             distribution=RADEMACHER)
+    assert_same_step(expected, got, EXACT)
+
+
+def test_ties_lowest_index_wins_per_tensor(fgfw_ops):
+    params = [torch.full((6,), 0.5), torch.full((4,), -0.25)]
+    grads = [torch.tensor([0.1, -0.5, 0.2, 0.5, -0.5, 0.0]), torch.tensor([0.0, 0.3, -0.3, 0.3])]
+    expected, got = run_both(fgfw_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0], offsets=[])
+    assert_same_step(expected, got, EXACT)
+    theta = got[0]
+    # tensor 0: |d| = 0.5 at 1, 3, 4 -> index 1 (d < 0, so s = +r); tensor 1: 0.3 at 1, 2, 3 -> index 1
+    assert torch.equal(theta[0], torch.tensor([0.25, 0.25 + 0.5, 0.25, 0.25, 0.25, 0.25]))
+    assert torch.equal(theta[1], torch.tensor([-0.125, -0.125 - 1.0, -0.125, -0.125]))
+
+
+def test_ties_across_tensors_first_tensor_wins_in_global_ball(fgfw_ops):
+    params = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(3)]
+    # the maximum |d| = 0.5 sits late in tensor 0, early in tensors 1 and 2
+    grads = [torch.tensor([0.1, 0.2, 0.5]), torch.tensor([[-0.5, 0.5], [0.0, 0.5]]), torch.tensor([0.5, 0.0, 0.0])]
+    expected, got = run_both(fgfw_ops, params, [], grads, schedule=(1, 1.0, 1.0), global_ball=True, radii=[3.0],
+                             offsets=[])
+    assert_same_step(expected, got, EXACT)
+    theta = got[0]
+    assert torch.equal(theta[0], torch.tensor([0.0, 0.0, -3.0]))
+    assert not theta[1].any() and not theta[2].any()
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+def test_rademacher_everywhere_tied_picks_first_element(fgfw_ops, global_ball):
+    # one Rademacher tangent without momentum: |d| = |c| at every element, ties across all segments
+    params = [torch.zeros(300_001), torch.zeros(17)]
+    radii = [1.0] if global_ball else [1.0, 1.0]
+    expected, got = run_both(fgfw_ops, params, [], [], schedule=(3, 1.0, 1.0), coeffs=(0.5,), radii=radii,
+                             global_ball=global_ball, distribution=RADEMACHER)
+    assert_same_step(expected, got, EXACT)
+    theta = got[0]
+    assert theta[0][0] != 0 and theta[0][1:].count_nonzero() == 0
+    assert theta[1].count_nonzero() == (0 if global_ball else 1) and (global_ball or theta[1][0] != 0)
+
+
+def test_single_element_and_empty_tensors(fgfw_ops):
+    params = [torch.tensor([0.3]), torch.empty(0), torch.tensor([[-0.2]])]
+    moms = [torch.tensor([0.1]), torch.empty(0), torch.tensor([[0.0]])]
+    for global_ball in (False, True):
+        expected, got = run_both(fgfw_ops, params, moms, [], global_ball=global_ball, distribution=RADEMACHER)
+        assert_same_step(expected, got, EXACT)
+
+
+def test_empty_group_writes_zero_gap(fgfw_ops):
+    gap = torch.full((), float("nan"), dtype=torch.float64)
+    fgfw_ops.l1_fw_step_([], [], [], torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64),
+                         torch.tensor([1.0], dtype=torch.float64), [], False, [], 0, GAUSSIAN, gap)
+    assert gap.item() == 0.0
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_many_small_tensors(fgfw_ops, distribution, global_ball):
+    rng = random.Random(0)
+    shapes = [tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3))) for _ in range(50)]
+    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=1)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(1.1, -0.4), global_ball=global_ball,
+                             distribution=distribution)
+    tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL[torch.float32]
+    assert_same_step(expected, got, tol, gap_rtol=1e-9 if distribution == RADEMACHER else 1e-5)
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_large_tensor_independent_of_thread_count(fgfw_ops, distribution, global_ball):
+    params, moms, _ = make_group([(300_007,), (1000, 3)], torch.float32, momentum=True, grads=False, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected, one = run_both(fgfw_ops, params, moms, [], coeffs=(0.9, 0.2), global_ball=global_ball,
+                                 distribution=distribution)
+        torch.set_num_threads(2)
+        _, two = run_both(fgfw_ops, params, moms, [], coeffs=(0.9, 0.2), global_ball=global_ball,
+                          distribution=distribution)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_step(one, two, EXACT, gap_rtol=0)
+    tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL[torch.float32]
+    assert_same_step(expected, one, tol, gap_rtol=1e-9 if distribution == RADEMACHER else 1e-5)
+
+
+def test_nan_direction_matches_reference(fgfw_ops):
+    # NaN is the largest |d| (torch.argmax's rule) and has sign 0 (torch.sign's): theta is only scaled
+    params = [torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.4, 0.5])]
+    grads = [torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([float("nan"), 9.0])]
+    for global_ball in (False, True):
+        expected, got = run_both(fgfw_ops, params, [], grads, global_ball=global_ball, offsets=[])
+        assert_same_step(expected, got, EXACT)
+        assert torch.isnan(got[2])
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+def test_iterates_stay_feasible(fgfw_ops, momentum, global_ball):
+    shapes = [(40,), (8, 5), (3,)]
+    params, moms, _ = make_group(shapes, torch.float32, momentum=momentum, grads=False, seed=3)
+    radii = [1.5] if global_ball else [0.5, 2.0, 1.0]
+    if global_ball:
+        norm = sum(float(p.abs().sum()) for p in params)
+        params = [p * (0.9 * radii[0] / norm) for p in params]
+    else:
+        params = [p * (0.9 * r / float(p.abs().sum())) for p, r in zip(params, radii)]
+    offsets = flat_offsets(params)
+    gap = torch.zeros((), dtype=torch.float64)
+    for k in range(1, 31):
+        alpha = 2.0 / (k + 2)
+        schedule = torch.tensor([k, alpha, min(1.0, 4.0 / (k + 3))], dtype=torch.float64)
+        fgfw_ops.l1_fw_step_(params, moms, [], schedule, torch.tensor([0.8, -0.6], dtype=torch.float64), radii,
+                             global_ball, offsets, 11, GAUSSIAN, gap)
+        assert gap.item() >= -1e-5  # <d, theta - s> >= 0 for the LMO vertex s
+        if global_ball:
+            assert sum(float(p.double().abs().sum()) for p in params) <= radii[0] * (1 + 1e-6)
+        else:
+            for p, r in zip(params, radii):
+                assert float(p.double().abs().sum()) <= r * (1 + 1e-6)
+
+
+def _valid_args():
+    params = [torch.zeros(4), torch.zeros(2, 3)]
+    return dict(params=params, momentum=[torch.zeros(4), torch.zeros(2, 3)], grads=[],
+                schedule=torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64),
+                tangent_coeffs=torch.tensor([1.0], dtype=torch.float64), radii=[1.0, 1.0], global_ball=False,
+                offsets=[0, 4], seed=0, distribution=GAUSSIAN, gap=torch.zeros((), dtype=torch.float64))
+
+
+BAD_ARGS = {
+    "momentum length": (dict(momentum=[torch.zeros(4)]), "momentum"),
+    "grads length": (dict(grads=[torch.zeros(4)], offsets=[]), "grads"),
+    "grads numel": (dict(grads=[torch.zeros(4), torch.zeros(5)]), r"grads\[1\]"),
+    "grads dtype": (dict(grads=[torch.zeros(4), torch.zeros(2, 3, dtype=torch.float64)]), r"grads\[1\]"),
+    "momentum dtype": (dict(params=[torch.zeros(4, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16)],
+                            momentum=[torch.zeros(4, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16)]),
+                       r"momentum\[0\]"),
+    "momentum numel": (dict(momentum=[torch.zeros(4), torch.zeros(7)]), r"momentum\[1\]"),
+    "mixed param dtypes": (dict(params=[torch.zeros(4), torch.zeros(2, 3, dtype=torch.float64)]), r"params\[1\]"),
+    "integer params": (dict(params=[torch.zeros(4, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32)],
+                            momentum=[]), "params"),
+    "non-contiguous param": (dict(params=[torch.zeros(4), torch.zeros(3, 2).t()]), r"params\[1\]"),
+    "schedule dtype": (dict(schedule=torch.tensor([1.0, 0.5, 0.5])), "schedule"),
+    "schedule length": (dict(schedule=torch.tensor([0.5, 0.5], dtype=torch.float64)), "schedule"),
+    "coeffs empty": (dict(tangent_coeffs=torch.zeros(0, dtype=torch.float64)), "tangent_coeffs"),
+    "coeffs dtype": (dict(tangent_coeffs=torch.ones(1)), "tangent_coeffs"),
+    "radii per tensor": (dict(radii=[1.0]), "radii"),
+    "radii global": (dict(radii=[1.0, 1.0], global_ball=True), "radii"),
+    "offsets length": (dict(offsets=[0]), "offsets"),
+    "offsets empty with forward gradient": (dict(offsets=[]), "offsets"),
+    "negative offset": (dict(offsets=[0, -4]), r"offsets\[1\]"),
+    "distribution": (dict(distribution=3), "distribution"),
+    "gap dtype": (dict(gap=torch.zeros(())), "gap"),
+    "gap size": (dict(gap=torch.zeros(2, dtype=torch.float64)), "gap"),
+}
+
+
+@pytest.mark.parametrize("change,name", BAD_ARGS.values(), ids=BAD_ARGS.keys())
+def test_bad_arguments_are_named(fgfw_ops, change, name):
+    args = _valid_args()
+    args.update(change)
+    with pytest.raises(RuntimeError, match=name):
+        fgfw_ops.l1_fw_step_(*args.values())
+
+
+def test_valid_arguments_pass_the_checks(fgfw_ops):
+    fgfw_ops.l1_fw_step_(*_valid_args().values())

@@ -1,0 +1,318 @@
+"""The optimizers against independent references: closed-form optima, hand-written algorithm steps, resume."""
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fgfw
+from fgfw import reference
+
+
+def mlp(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).to(dtype)
+
+
+def batch(seed=1, dtype=torch.float64, n=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+def l1_projection(b: torch.Tensor, r: float) -> torch.Tensor:
+    """Euclidean projection onto the L1 ball (Duchi et al. 2008): the closed-form reference optimum."""
+    if b.abs().sum() <= r:
+        return b.clone()
+    mu = torch.sort(b.abs(), descending=True).values
+    cssv = torch.cumsum(mu, 0) - r
+    ind = torch.arange(1, b.numel() + 1, dtype=b.dtype)
+    rho = int(torch.nonzero(mu - cssv / ind > 0).max())
+    tau = cssv[rho] / (rho + 1)
+    return torch.sign(b) * torch.clamp(b.abs() - tau, min=0)
+
+
+def least_squares_problem(d=12, n=30, r=1.0):
+    """f(theta) = 0.5 ||Q theta - y||^2 with orthonormal Q: theta* = proj_L1(Q^T y) exactly."""
+    g = torch.Generator().manual_seed(3)
+    q, _ = torch.linalg.qr(torch.randn(n, d, generator=g, dtype=torch.float64))
+    y = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    theta_star = l1_projection(q.T @ y, r)
+    assert theta_star.abs().sum() == pytest.approx(r)  # the constraint is active
+    f = lambda th: 0.5 * ((q @ th - y) ** 2).sum()
+    return f, theta_star, float(f(theta_star))
+
+
+def test_frank_wolfe_reaches_certified_optimum_and_gap_bounds_suboptimality():
+    f, _, f_star = least_squares_problem()
+    theta = nn.Parameter(torch.zeros(12, dtype=torch.float64))
+    opt = fgfw.FrankWolfe([theta], constraint=fgfw.L1Ball(radius=1.0))
+    for _ in range(3000):
+        opt.zero_grad()
+        loss = f(theta)
+        loss.backward()
+        opt.step()
+        # convexity: the FW gap at the pre-step point bounds its suboptimality
+        assert float(opt.last_gap) >= loss.item() - f_star - 1e-12
+        assert float(theta.detach().abs().sum()) <= 1.0 * (1 + 1e-6)
+    assert float(f(theta.detach())) - f_star < 1e-3
+
+
+def manual_afgfw(model, x, y, steps, seed, radius, num_tangents=1, momentum=True, distribution=0):
+    """AFGFW / FGFW written out from the paper with backprop directional derivatives and dense LMOs."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    offsets = [0]
+    for p in params[:-1]:
+        offsets.append(offsets[-1] + p.numel())
+    v = [torch.zeros_like(p) for p in params]
+    for k in range(1, steps + 1):
+        alpha, gamma = (1.0 / k, 1.0 / math.sqrt(k)) if momentum else (2.0 / (k + 2), 1.0)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        tangents = [[reference.tangent(p.numel(), seed, k, t, o, distribution).double().view(p.shape)
+                     for p, o in zip(params, offsets)] for t in range(num_tangents)]
+        cs = [sum(float((p.grad * u).sum()) for p, u in zip(params, us)) for us in tangents]
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                g_hat = sum(c * us[j] for c, us in zip(cs, tangents)) / num_tangents
+                v[j] = (1 - gamma) * v[j] + gamma * g_hat if momentum else g_hat
+                p.copy_((1 - alpha) * p + alpha * reference.l1_lmo(v[j], radius))
+    return model
+
+
+@pytest.mark.parametrize("cls,momentum", [(fgfw.AFGFW, True), (fgfw.FGFW, False)])
+@pytest.mark.parametrize("num_tangents,distribution", [(1, "gaussian"), (3, "rademacher")])
+def test_forward_gradient_optimizers_follow_the_paper(cls, momentum, num_tangents, distribution):
+    model, (x, y) = mlp(), batch()
+    radius = 10.0  # above every tensor's initial L1 norm: the start is feasible as it is
+    expected = manual_afgfw(model, x, y, steps=4, seed=11, radius=radius, num_tangents=num_tangents,
+                            momentum=momentum, distribution=reference.DISTRIBUTIONS[distribution])
+    opt = cls(model, constraint=fgfw.L1Ball(radius=radius), seed=11, num_tangents=num_tangents,
+              tangent=distribution)
+    for _ in range(4):
+        opt.step(lambda: F.cross_entropy(model(x), y))
+    for p, q in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("scope", ["tensor", "global"])
+@pytest.mark.parametrize("make", ["fw", "fw_momentum", "fgfw", "afgfw"])
+def test_every_iterate_is_feasible(scope, make):
+    model, (x, y) = mlp(dtype=torch.float32), batch(dtype=torch.float32)
+    radius = 2.0
+    constraint = fgfw.L1Ball(radius=radius, scope=scope)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the default init is rescaled into the small ball
+        if make.startswith("fw"):
+            opt = fgfw.FrankWolfe(model.parameters(), constraint=constraint,
+                                  momentum=0.9 if make == "fw_momentum" else None)
+        else:
+            cls = fgfw.AFGFW if make == "afgfw" else fgfw.FGFW
+            opt = cls(model, constraint=constraint, seed=0, step_size=0.3)
+    for _ in range(25):
+        if make.startswith("fw"):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        else:
+            opt.step(lambda: F.cross_entropy(model(x), y))
+        norms = [float(p.detach().abs().sum()) for p in model.parameters()]
+        if scope == "global":
+            assert sum(norms) <= radius * (1 + 1e-6)
+        else:
+            assert max(norms) <= radius * (1 + 1e-6)
+
+
+def test_first_paper_step_is_a_vertex_per_tensor():
+    model, (x, y) = mlp(), batch()
+    with pytest.warns(UserWarning, match="rescaled"):  # the default init is outside this small ball
+        opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=3.0), seed=5)  # alpha_1 = 1/1
+    opt.step(lambda: F.cross_entropy(model(x), y))
+    for p in model.parameters():
+        nonzero = p.detach().reshape(-1).nonzero()
+        assert nonzero.numel() == 1
+        assert float(p.detach().abs().sum()) == pytest.approx(3.0)
+
+
+def run_steps(make_opt, model, steps):
+    opt = make_opt(model)
+    dtype = next(model.parameters()).dtype
+    for i in range(steps):
+        x, y = batch(seed=100 + i, dtype=dtype)
+        if isinstance(opt, fgfw.FrankWolfe):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        else:
+            opt.step(lambda: F.cross_entropy(model(x), y))
+    return opt
+
+
+OPTIMIZERS = {
+    "fw_momentum": lambda m: fgfw.FrankWolfe(m.parameters(), constraint=fgfw.L1Ball.relative_to_init(2.0),
+                                             momentum=0.8),
+    "fgfw": lambda m: fgfw.FGFW(m, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="global"), seed=3),
+    "afgfw": lambda m: fgfw.AFGFW(m, constraint=fgfw.L1Ball(radius=10.0), seed=3, num_tangents=2,
+                                  step_size=0.05, tangent="rademacher"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_resume_is_bit_identical(name, dtype):
+    make = OPTIMIZERS[name]
+    straight = mlp(dtype=dtype)
+    run_steps(make, straight, 6)
+
+    first = mlp(dtype=dtype)
+    opt = run_steps(make, first, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+
+    resumed = mlp(seed=99, dtype=dtype)  # a different init: everything must come from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved["opt"])
+    opt2_state = opt2.state_dict()
+    assert opt2_state["fgfw"] == opt.state_dict()["fgfw"]
+    for i in range(3, 6):
+        x, y = batch(seed=100 + i, dtype=dtype)
+        if isinstance(opt2, fgfw.FrankWolfe):
+            opt2.zero_grad()
+            F.cross_entropy(resumed(x), y).backward()
+            opt2.step()
+        else:
+            opt2.step(lambda: F.cross_entropy(resumed(x), y))
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_momentum_state_keeps_float32_for_bfloat16_params_on_load():
+    model = mlp().to(torch.bfloat16)
+    x, y = batch(dtype=torch.bfloat16)
+    opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=1, step_size=0.1)
+    opt.step(lambda: F.cross_entropy(model(x).float(), y))
+    opt2 = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=1)
+    opt2.load_state_dict(opt.state_dict())
+    for p in model.parameters():
+        assert opt2.state[p]["momentum"].dtype == torch.float32
+        assert torch.equal(opt2.state[p]["momentum"], opt.state[p]["momentum"])
+
+
+def test_relative_radius_and_infeasible_start():
+    model = mlp()
+    norms = [float(p.detach().abs().sum()) for p in model.parameters()]
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball.relative_to_init(1.5))
+    assert opt.param_groups[0]["radii"] == pytest.approx([1.5 * n for n in norms])
+
+    small = mlp()
+    with pytest.warns(UserWarning, match="rescaled"):
+        fgfw.FrankWolfe(small.parameters(), constraint=fgfw.L1Ball(radius=0.5, scope="global"))
+    assert sum(float(p.detach().abs().sum()) for p in small.parameters()) == pytest.approx(0.5)
+
+
+# -- bad input ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("radius", [0.0, -1.0, float("nan"), float("inf")])
+def test_radius_must_be_positive_and_finite(radius):
+    with pytest.raises(ValueError, match="radius"):
+        fgfw.L1Ball(radius=radius)
+
+
+def test_radius_type_and_missing_radius():
+    with pytest.raises(TypeError, match="radius"):
+        fgfw.L1Ball(radius="1")
+    with pytest.raises(ValueError, match="radius is required"):
+        fgfw.L1Ball()
+    with pytest.raises(ValueError, match="scope"):
+        fgfw.L1Ball(radius=1.0, scope="layer")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(step_size="1/k^2"), "step_size"),
+    (dict(step_size=1.5), "step_size"),
+    (dict(averaging_weight="cosine"), "averaging_weight"),
+    (dict(tangent="uniform"), "tangent"),
+    (dict(num_tangents=0), "num_tangents"),
+    (dict(engine="magic"), "engine"),
+    (dict(backend="opencl"), "backend"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_hyperparameters_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fgfw.AFGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), **kwargs)
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(TypeError, match="not floating point"):
+        fgfw.FrankWolfe([torch.zeros(3, dtype=torch.int64)], constraint=fgfw.L1Ball(radius=1.0))
+    with pytest.raises(TypeError, match="layout"):
+        fgfw.FrankWolfe([torch.zeros(3, 3).to_sparse()], constraint=fgfw.L1Ball(radius=1.0))
+    with pytest.raises(ValueError, match="contiguous"):
+        fgfw.FrankWolfe([torch.zeros(3, 4).t()], constraint=fgfw.L1Ball(radius=1.0))
+    with pytest.raises(ValueError, match="share a device"):
+        fgfw.FrankWolfe([torch.zeros(3), torch.zeros(3, device="meta")], constraint=fgfw.L1Ball(radius=1.0))
+    with pytest.raises(ValueError, match="momentum"):
+        fgfw.FrankWolfe([torch.zeros(3)], constraint=fgfw.L1Ball(radius=1.0), momentum=1.0)
+    with pytest.raises(TypeError, match="constraint"):
+        fgfw.FrankWolfe([torch.zeros(3)], constraint=1.0)
+    with pytest.raises(TypeError, match="module"):
+        fgfw.AFGFW(mlp().parameters(), constraint=fgfw.L1Ball(radius=1.0))
+    with pytest.raises(ValueError, match="one dtype"):
+        fgfw.FrankWolfe([torch.zeros(3), torch.zeros(3, dtype=torch.float64)],
+                        constraint=fgfw.L1Ball(radius=1.0, scope="global"))
+    with pytest.raises(ValueError, match="module"):
+        fgfw.AFGFW(mlp(), [nn.Parameter(torch.zeros(3))], constraint=fgfw.L1Ball(radius=1.0))
+
+
+def test_non_finite_directional_derivative_leaves_everything_untouched():
+    model, (x, y) = mlp(), batch()
+    opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=0, step_size=0.1)
+    opt.step(lambda: F.cross_entropy(model(x), y))
+    before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step(lambda: F.cross_entropy(model(x) * float("nan"), y))
+    after = model.state_dict(), opt.state_dict()
+    for key in before[0]:
+        assert torch.equal(before[0][key], after[0][key])
+    assert before[1]["fgfw"] == after[1]["fgfw"]
+    for i, s in before[1]["state"].items():
+        assert torch.equal(s["momentum"], after[1]["state"][i]["momentum"])
+
+
+def test_non_finite_gradient_raises_before_the_update():
+    theta = nn.Parameter(torch.ones(4))
+    opt = fgfw.FrankWolfe([theta], constraint=fgfw.L1Ball(radius=4.0))
+    theta.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step()
+    assert torch.equal(theta.detach(), torch.ones(4))
+
+
+def test_schedule_callable_out_of_range_is_caught_before_the_update():
+    model, (x, y) = mlp(), batch()
+    before = copy.deepcopy(model.state_dict())
+    opt = fgfw.FGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=0, step_size=lambda k: 2.0)
+    with pytest.raises(ValueError, match="step_size"):
+        opt.step(lambda: F.cross_entropy(model(x), y))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_step_needs_a_closure():
+    opt = fgfw.FGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), seed=0)
+    with pytest.raises(TypeError, match="closure"):
+        opt.step()
+
+
+def test_load_state_dict_rejects_foreign_state():
+    model = mlp()
+    opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=0)
+    foreign = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    with pytest.raises(ValueError, match="fgfw"):
+        opt.load_state_dict(foreign)

@@ -1,0 +1,221 @@
+"""The tangent stream: Philox4x32-10 known answers, the DESIGN.md mapping, and the compiled
+fill_tangent_ kernels (CPU, CUDA) against fgfw.reference on the same arguments.
+
+Rademacher tangents (one bit of each Philox word) must agree bit for bit, which checks the C++
+Philox on every element; Gaussian tangents within a tight tolerance (log/sin/cos differ by an ulp).
+"""
+import math
+
+import pytest
+import torch
+
+from fgfw import reference as ref
+
+GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
+GAUSSIAN_ATOL = 1e-5
+
+# Random123's known-answer vectors for Philox4x32-10: (counter, key, output words).
+PHILOX_KATS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+# (numel, seed, step, tangent_id, offset): odd sizes, offsets that are not multiples of 4, a call
+# counter above 2^32 (its high word in use), negative seed and step (two's complement), a step and
+# a tangent id above 2^32 (taken modulo 2^32).
+STREAM_CASES = [
+    (1, 0, 0, 0, 0),
+    (1, 7, 3, 1, 5),
+    (3, 123, 1, 0, 2),
+    (4, 5, 9, 2, 4),
+    (4097, 42, 17, 3, 1),
+    (4097, -1, -5, 0, 6),
+    (100_003, 2**40 + 11, 2**32 + 7, 2**32 + 1, 3),
+    (515, 9, 1, 0, 4 * 2**32 + 2),
+]
+
+
+def _kat_words_as_stream_inputs():
+    """KAT 1 is the stream's call q=0 for seed 0, step 0, tangent 0: its words are elements 0..3."""
+    counter, key, words = PHILOX_KATS[0]
+    assert counter == (0, 0, 0, 0) and key == (0, 0)
+    return words
+
+
+def _expected_from_words(words, distribution):
+    """The DESIGN.md mapping written independently of reference.py, in float64 arithmetic."""
+    if distribution == RADEMACHER:
+        return [1.0 if w >> 31 == 0 else -1.0 for w in words]
+    u = [((w >> 8) + 0.5) * 2.0**-24 for w in words]
+    values = []
+    for pair in (0, 2):
+        radius = math.sqrt(-2.0 * math.log(u[pair]))
+        angle = 2.0 * math.pi * u[pair + 1]
+        values += [radius * math.cos(angle), radius * math.sin(angle)]
+    return values
+
+
+def _fill(ops, numel, seed, step, tangent_id, offset, distribution, dtype=torch.float32, device="cpu"):
+    out = torch.full((numel,), float("nan"), dtype=dtype, device=device)
+    ops.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+    return out
+
+
+def _assert_matches_reference(out, numel, seed, step, tangent_id, offset, distribution):
+    expected = ref.tangent(numel, seed, step, tangent_id, offset, distribution).to(out.dtype)
+    out = out.cpu()
+    if distribution == RADEMACHER:
+        assert torch.equal(out, expected)
+    else:
+        # float32 values an ulp apart may round to neighbouring values of a narrower output dtype
+        rtol = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}.get(out.dtype, 0)
+        torch.testing.assert_close(out, expected, atol=GAUSSIAN_ATOL, rtol=rtol)
+
+
+# ---- the reference (always runs) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("counter,key,expected", PHILOX_KATS)
+def test_reference_philox_known_answers(counter, key, expected):
+    words = ref.philox4x32_10(counter, key)
+    assert [int(w) for w in words] == list(expected)
+
+
+def test_reference_philox_vectorised_equals_single_calls():
+    counters = torch.tensor([0, 1, 2**32 - 1, 12345], dtype=torch.int64)
+    batch = ref.philox4x32_10((counters, 7, 3, 2), (11, 13))
+    for n, c in enumerate(counters.tolist()):
+        single = ref.philox4x32_10((c, 7, 3, 2), (11, 13))
+        assert [int(w[n]) for w in batch] == [int(w) for w in single]
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_reference_stream_follows_design_mapping(distribution):
+    words = _kat_words_as_stream_inputs()
+    got = ref.tangent(4, seed=0, step=0, tangent_id=0, offset=0, distribution=distribution)
+    expected = torch.tensor(_expected_from_words(words, distribution), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=0)
+
+
+def test_reference_offsets_compose():
+    whole = ref.tangent(23, 5, 2, 1, offset=3)
+    parts = torch.cat([ref.tangent(6, 5, 2, 1, offset=3), ref.tangent(17, 5, 2, 1, offset=9)])
+    assert torch.equal(whole, parts)
+
+
+def test_reference_gaussian_moments():
+    u = ref.tangent(1_000_000, seed=3, step=1, tangent_id=0).double()
+    assert abs(u.mean().item()) < 5e-3
+    assert abs(u.var().item() - 1) < 5e-3
+
+
+def test_reference_rademacher_values_and_mean():
+    u = ref.tangent(1_000_000, seed=3, step=1, tangent_id=0, distribution=RADEMACHER)
+    assert set(u.unique().tolist()) == {-1.0, 1.0}
+    assert abs(u.double().mean().item()) < 5e-3
+
+
+# ---- the compiled CPU kernel -------------------------------------------------------------------
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_cpu_known_answer_words(fgfw_ops, distribution):
+    got = _fill(fgfw_ops, 4, 0, 0, 0, 0, distribution).double()
+    expected = torch.tensor(_expected_from_words(_kat_words_as_stream_inputs(), distribution), dtype=torch.float64)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("numel,seed,step,tangent_id,offset", STREAM_CASES)
+def test_cpu_matches_reference(fgfw_ops, numel, seed, step, tangent_id, offset, distribution):
+    out = _fill(fgfw_ops, numel, seed, step, tangent_id, offset, distribution)
+    _assert_matches_reference(out, numel, seed, step, tangent_id, offset, distribution)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_output_dtypes(fgfw_ops, dtype, distribution):
+    out = _fill(fgfw_ops, 4097, 11, 2, 1, 3, distribution, dtype=dtype)
+    _assert_matches_reference(out, 4097, 11, 2, 1, 3, distribution)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_cpu_non_contiguous_out_in_logical_order(fgfw_ops, distribution):
+    out = torch.zeros(6, 9).t()
+    fgfw_ops.fill_tangent_(out, 4, 1, 0, 2, distribution)
+    expected = torch.zeros(6, 9).t()
+    ref.fill_tangent_(expected, 4, 1, 0, 2, distribution)
+    atol = 0 if distribution == RADEMACHER else GAUSSIAN_ATOL
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+
+
+def test_cpu_offsets_compose_bit_exactly(fgfw_ops):
+    whole = _fill(fgfw_ops, 4097, 8, 3, 2, 1, GAUSSIAN)
+    parts = torch.cat([_fill(fgfw_ops, 5, 8, 3, 2, 1, GAUSSIAN), _fill(fgfw_ops, 4092, 8, 3, 2, 6, GAUSSIAN)])
+    assert torch.equal(whole, parts)
+
+
+def test_cpu_independent_of_thread_count(fgfw_ops):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _fill(fgfw_ops, 50_001, 1, 2, 0, 3, GAUSSIAN)
+        torch.set_num_threads(2)
+        two = _fill(fgfw_ops, 50_001, 1, 2, 0, 3, GAUSSIAN)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_cpu_gaussian_moments(fgfw_ops):
+    u = _fill(fgfw_ops, 1_000_000, 3, 1, 0, 0, GAUSSIAN).double()
+    assert torch.isfinite(u).all()
+    assert abs(u.mean().item()) < 5e-3
+    assert abs(u.var().item() - 1) < 5e-3
+
+
+def test_cpu_rademacher_values_and_mean(fgfw_ops):
+    u = _fill(fgfw_ops, 1_000_000, 3, 1, 0, 0, RADEMACHER)
+    assert set(u.unique().tolist()) == {-1.0, 1.0}
+    assert abs(u.double().mean().item()) < 5e-3
+
+
+def test_cpu_empty_out_is_a_no_op(fgfw_ops):
+    fgfw_ops.fill_tangent_(torch.empty(0), 1, 1, 0, 0, GAUSSIAN)
+
+
+@pytest.mark.parametrize("out,offset,distribution,name", [
+    (torch.empty(4), 0, 2, "distribution"),
+    (torch.empty(4), -1, GAUSSIAN, "offset"),
+    (torch.empty(4, dtype=torch.int32), 0, GAUSSIAN, "out"),
+])
+def test_cpu_bad_arguments_are_named(fgfw_ops, out, offset, distribution, name):
+    with pytest.raises(RuntimeError, match=name):
+        fgfw_ops.fill_tangent_(out, 0, 0, 0, offset, distribution)
+
+
+# ---- the CUDA kernel (skips without a GPU) -------------------------------------------------------
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("numel,seed,step,tangent_id,offset", STREAM_CASES + [(3_000_001, 5, 2, 1, 7)])
+def test_cuda_matches_reference(fgfw_cuda_ops, numel, seed, step, tangent_id, offset, distribution):
+    out = _fill(fgfw_cuda_ops, numel, seed, step, tangent_id, offset, distribution, device="cuda")
+    _assert_matches_reference(out, numel, seed, step, tangent_id, offset, distribution)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_cuda_output_dtypes(fgfw_cuda_ops, dtype, distribution):
+    out = _fill(fgfw_cuda_ops, 4097, 11, 2, 1, 3, distribution, dtype=dtype, device="cuda")
+    _assert_matches_reference(out, 4097, 11, 2, 1, 3, distribution)
+
+
+def test_cuda_equals_cpu_kernel_and_uses_current_stream(fgfw_cuda_ops):
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = torch.empty(6, 9, device="cuda").t()
+        fgfw_cuda_ops.fill_tangent_(out, 4, 1, 0, 2, RADEMACHER)
+    side.synchronize()
+    expected = torch.empty(6, 9).t()
+    fgfw_cuda_ops.fill_tangent_(expected, 4, 1, 0, 2, RADEMACHER)
+    assert torch.equal(out.cpu(), expected)
