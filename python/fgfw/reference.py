@@ -145,11 +145,15 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     """
     step, alpha, gamma = (float(x) for x in schedule.tolist())
     step = int(step)
+    if not grads and len(offsets) != len(params):
+        # tensors sharing offset 0 would share tangent values: a biased estimate, never what is meant
+        raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
+                         f"gradient, got {len(offsets)}")
     directions = []
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
-        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if offsets else 0,
+        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if not grads else 0,
                       distribution)
         if momentum:
             v = momentum[t].view(-1)
