@@ -7,7 +7,8 @@ integer Philox stream, within a tight tolerance for Gaussian tangents and floati
 The tangent stream (never change it without bumping TANGENT_STREAM_VERSION: saved runs depend on it)
 ----------------------------------------------------------------------------------------------------
 Philox4x32-10, key = the 64-bit seed as (lo, hi). Element i of the optimizer's flat parameter index
-space (parameter order, then flat index; each tensor starts at its ``offset``) uses the call at
+space (parameter order, then flat index; each tensor starts at its ``offset``, which the optimizers
+round up to a multiple of 4 so that every tensor begins with a whole Philox call) uses the call at
 counter = (q lo, q hi, step, tangent_id) with q = i // 4 and takes word i % 4.
 
 * Rademacher: +1 if the word's top bit is 0, else -1 (bit-exact everywhere).

@@ -2,6 +2,10 @@
 
 Kernels compile for CUDA devices; with TRITON_INTERPRET=1 set in the environment before this package
 is imported, they run in Triton's interpreter on CPU tensors instead (slow; for tests).
+
+``fill_tangent_`` and ``l1_fw_step_`` here are the plain launchers; importing the package also
+registers them as the custom ops ``torch.ops.fgfw_triton.*`` (see ``ops.py``), which torch.compile
+can trace and which the optimizers call.
 """
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ try:
 except ImportError:
     triton = None
 
+__all__ = ["is_available"]
 if triton is not None:
+    from . import ops  # noqa: F401  (registers torch.ops.fgfw_triton)
     from .fw_step import l1_fw_step_
     from .tangent import INTERPRET, fill_tangent_
 
-__all__ = ["fill_tangent_", "is_available", "l1_fw_step_"]
+    __all__ += ["fill_tangent_", "l1_fw_step_"]
 
 
 def is_available() -> bool:

@@ -12,7 +12,7 @@ Three launches and no host synchronisation (schedule and coefficients are read b
 3. ``_gap_sum_kernel``, only when there are several balls: sums the shares into ``gap``.
 
 Why one launch over a pointer table rather than one launch per tensor: a model has tens to hundreds
-of parameter tensors and a Triton launch costs tens of microseconds of Python, more than the whole
+of parameter tensors and every Triton launch costs microseconds of Python, more than the whole
 update of a small tensor. The table (per tensor: addresses, size, stream offset, first slot) and the
 block -> tensor map are built on the host from metadata only, uploaded once and cached by content, so
 a step costs three launches whatever the tensor count. Slots are numbered in (tensor, block) order,
@@ -32,29 +32,38 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .tangent import BLOCK, INTERPRET, ROWS, TL_DTYPES, check_distribution, device_of, key_words, tangent_tile
+from .tangent import (BLOCK, INTERPRET, ROWS, TL_DTYPES, check_distribution, device_of, key_words, tangent_tile,
+                      to_storage)
 
-# Columns of the per-tensor table (int64).
-_PARAM, _MOMENTUM, _GRAD, _NUMEL, _STREAM_BASE, _LEAD, _FIRST_SLOT = range(7)
+# Columns of the per-tensor table (int64), in the order the launcher writes them.
+_PARAM, _MOMENTUM, _GRAD, _NUMEL, _STREAM_BASE, _LEAD, _FIRST_SLOT = (tl.constexpr(c) for c in range(7))
 _META_STRIDE = tl.constexpr(7)
+
+# 8 warps: 8 elements per thread, about 64 registers for float32 (126 for float64) on sm_90, so
+# several blocks fit on an SM; 4 warps doubled the registers per thread.
+_BLOCK_WARPS = 8
 
 # Slots reduced per iteration by the finalize and gap kernels.
 _RBLOCK = 1024
 
 _INF = tl.constexpr(float("inf"))
-_NO_INDEX = tl.constexpr(2**62)
+_NO_INDEX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
 def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    pointer = address.to(tl.pointer_type(DTYPE), bitcast=True)
     if ALIGNED:
-        address = tl.multiple_of(address, 16)
-    return address.to(tl.pointer_type(DTYPE), bitcast=True)
+        # On the pointer, not the integer: a hint on the loaded integer does not reach the loads.
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
 def _argmax_abs(d, valid, index):
     """(index, d) at the largest |d| over the valid lanes: lowest index on ties, NaN above everything.
+
+    ``index`` is an int32 position within the block (int64 per element would cost registers).
 
     Built from plain max/min/sum reductions (no custom combine): they behave the same compiled and
     interpreted, and NaN is handled explicitly because tl.max's NaN handling differs between the two.
@@ -72,43 +81,50 @@ def _argmax_abs(d, valid, index):
 
 
 @triton.jit
-def _fw_block(row, slot, start, stream_start, numel, schedule, tangent_coeffs, partial_d, partial_index,
-              partial_dot, key_lo, key_hi, n_tangents, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-              COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-              GAUSSIAN: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr):
-    j = start + 4 * tl.arange(0, ROWS)[:, None] + tl.arange(0, 4)[None, :]
+def _forward_gradient(stream_start, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
+                      COMPUTE_DTYPE: tl.constexpr, GAUSSIAN: tl.constexpr, ROWS: tl.constexpr):
+    """g = sum_k c_k u_k over a block, summed in the reference's order."""
+    step = tl.load(schedule).to(tl.int64).to(tl.uint32)
+    g = tl.zeros([ROWS, 4], dtype=COMPUTE_DTYPE)
+    for k in range(n_tangents):
+        # tl.cast: the loop index is a Python int when interpreted.
+        term = tl.load(tangent_coeffs + k).to(COMPUTE_DTYPE) * tangent_tile(
+            stream_start, key_lo, key_hi, step, tl.cast(k, tl.uint32), GAUSSIAN, ROWS).to(COMPUTE_DTYPE)
+        # The reference starts from the first term, not from 0 + term (which turns -0 into +0).
+        g = tl.where(k == 0, term, g + term)
+    return g
+
+
+@triton.jit
+def _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
+              PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+              HAS_MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr):
+    """The step on elements start + [0, 4 ROWS) of one tensor; g is None for the gradient path."""
+    # Element start + i for i in [0, 4 ROWS): int32 positions on int64 base pointers.
+    i = 4 * tl.arange(0, ROWS)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
-        valid = (j >= 0) & (j < numel)
+        valid = (i >= (-start).to(tl.int32)) & (i < tl.minimum(numel - start, 4 * ROWS).to(tl.int32))
     else:
         valid = None
-    theta_ptr = _pointer(tl.load(row + _PARAM), PARAM_DTYPE, ALIGNED) + j
+    theta_ptr = _pointer(tl.load(row + _PARAM), PARAM_DTYPE, ALIGNED) + start + i
     theta = tl.load(theta_ptr, mask=valid).to(COMPUTE_DTYPE)
-    if HAS_GRAD:
-        g = tl.load(_pointer(tl.load(row + _GRAD), GRAD_DTYPE, ALIGNED) + j, mask=valid).to(COMPUTE_DTYPE)
-    else:
-        # g = sum_k c_k u_k, accumulated in the reference's order (first term not added to zero);
-        # tl.cast: the loop index is a Python int when interpreted.
-        step = tl.load(schedule).to(tl.int64).to(tl.uint32)
-        g = tl.load(tangent_coeffs).to(COMPUTE_DTYPE) * tangent_tile(
-            stream_start, key_lo, key_hi, step, tl.full([], 0, tl.uint32), GAUSSIAN, ROWS).to(COMPUTE_DTYPE)
-        for k in range(1, n_tangents):
-            g += tl.load(tangent_coeffs + k).to(COMPUTE_DTYPE) * tangent_tile(
-                stream_start, key_lo, key_hi, step, tl.cast(k, tl.uint32), GAUSSIAN, ROWS).to(COMPUTE_DTYPE)
+    if g is None:
+        g = tl.load(_pointer(tl.load(row + _GRAD), GRAD_DTYPE, ALIGNED) + start + i, mask=valid).to(COMPUTE_DTYPE)
     if HAS_MOMENTUM:
-        v_ptr = _pointer(tl.load(row + _MOMENTUM), COMPUTE_DTYPE, ALIGNED) + j
+        v_ptr = _pointer(tl.load(row + _MOMENTUM), COMPUTE_DTYPE, ALIGNED) + start + i
         gamma = tl.load(schedule + 2).to(COMPUTE_DTYPE)
         d = (1.0 - gamma) * tl.load(v_ptr, mask=valid) + gamma * g
         tl.store(v_ptr, d, mask=valid)
     else:
         d = g
     alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    tl.store(theta_ptr, ((1.0 - alpha) * theta).to(PARAM_DTYPE), mask=valid)
+    tl.store(theta_ptr, to_storage((1.0 - alpha) * theta, PARAM_DTYPE), mask=valid)
     dot = d.to(tl.float64) * theta.to(tl.float64)
     if MASKED:
         dot = tl.where(valid, dot, 0.0)
-    best, d_best = _argmax_abs(d, valid, j)
+    best, d_best = _argmax_abs(d, valid, i)
     tl.store(partial_d + slot, d_best.to(tl.float64))
-    tl.store(partial_index + slot, best)
+    tl.store(partial_index + slot, start + best)
     tl.store(partial_dot + slot, tl.sum(dot))
 
 
@@ -124,20 +140,24 @@ def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, partial_d, p
     row = meta + tl.load(block_tensor + slot).to(tl.int64) * _META_STRIDE
     numel = tl.load(row + _NUMEL)
     first = (slot - tl.load(row + _FIRST_SLOT)) * (4 * ROWS)
-    stream_start = tl.load(row + _STREAM_BASE) + first
     start = first
     if not ALIGNED:
         start -= tl.load(row + _LEAD)
-    key_lo = key_lo.to(tl.uint32, bitcast=True)
-    key_hi = key_hi.to(tl.uint32, bitcast=True)
-    if (start >= 0) & (start + 4 * ROWS <= numel):
-        _fw_block(row, slot, start, stream_start, numel, schedule, tangent_coeffs, partial_d, partial_index,
-                  partial_dot, key_lo, key_hi, n_tangents, PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_GRAD,
-                  HAS_MOMENTUM, GAUSSIAN, ALIGNED, False, ROWS)
+    if HAS_GRAD:
+        g = None
     else:
-        _fw_block(row, slot, start, stream_start, numel, schedule, tangent_coeffs, partial_d, partial_index,
-                  partial_dot, key_lo, key_hi, n_tangents, PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_GRAD,
-                  HAS_MOMENTUM, GAUSSIAN, ALIGNED, True, ROWS)
+        # Generated once, outside the full/tail split below, so the Philox and Box-Muller code is
+        # compiled once rather than in both branches.
+        g = _forward_gradient(tl.load(row + _STREAM_BASE) + first, schedule, tangent_coeffs,
+                              key_lo.to(tl.uint32, bitcast=True), key_hi.to(tl.uint32, bitcast=True), n_tangents,
+                              COMPUTE_DTYPE, GAUSSIAN, ROWS)
+    # Full blocks run unmasked: with ALIGNED, their loads and stores vectorise.
+    if (start >= 0) & (start + 4 * ROWS <= numel):
+        _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot, PARAM_DTYPE,
+                  GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, ROWS)
+    else:
+        _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot, PARAM_DTYPE,
+                  GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, ROWS)
 
 
 @triton.jit
@@ -151,24 +171,24 @@ def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial
     best = first
     best_d = tl.zeros([], dtype=tl.float64)
     for chunk in range(first, end, RBLOCK):
-        slots = chunk + tl.arange(0, RBLOCK).to(tl.int64)
-        valid = slots < end
-        dot += tl.load(partial_dot + slots, mask=valid, other=0.0)
-        slot, d = _argmax_abs(tl.load(partial_d + slots, mask=valid, other=0.0), valid, slots)
+        i = tl.arange(0, RBLOCK)
+        valid = i < end - chunk
+        dot += tl.load(partial_dot + chunk + i, mask=valid, other=0.0)
+        slot, d = _argmax_abs(tl.load(partial_d + chunk + i, mask=valid, other=0.0), valid, i)
         # Chunks come in slot order, so a later one wins only by being strictly larger (NaN largest).
         best_is_nan = best_d != best_d
         take = ((d != d) & ~best_is_nan) | (~best_is_nan & (tl.abs(d) > tl.abs(best_d)))
-        best = tl.where(take, slot, best)
+        best = tl.where(take, chunk + slot, best)
         best_d = tl.where(take, d, best_d)
     index = tl.load(partial_index + best)
     theta_ptr = tl.load(meta + tl.load(block_tensor + best).to(tl.int64) * _META_STRIDE + _PARAM).to(
         tl.pointer_type(PARAM_DTYPE), bitcast=True) + index
     radius = tl.load(ball_radii + ball)
     d = best_d.to(COMPUTE_DTYPE)
-    sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, tl.where(d != d, d, 0.0)))
+    sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
     vertex = -radius.to(COMPUTE_DTYPE) * sign
     alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    tl.store(theta_ptr, (tl.load(theta_ptr).to(COMPUTE_DTYPE) + alpha * vertex).to(PARAM_DTYPE))
+    tl.store(theta_ptr, to_storage(tl.load(theta_ptr).to(COMPUTE_DTYPE) + alpha * vertex, PARAM_DTYPE))
     tl.store(ball_gap + ball, tl.sum(dot) + tl.abs(best_d) * radius)
 
 
@@ -181,7 +201,7 @@ def _gap_sum_kernel(ball_gap, gap, n_balls, RBLOCK: tl.constexpr):
     tl.store(gap, tl.sum(total))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _tables(device: torch.device, rows: tuple, block_counts: tuple, balls: tuple, radii: tuple):
     """Uploads the per-tensor table, the block -> tensor map and the balls; cached by content, so the
     copy happens once per set of tensors (a new content, e.g. a moved tensor, is a new entry)."""
@@ -231,17 +251,22 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
         _check_tensor_list("grads", grads, params, None)
         if len({g.dtype for g in grads}) != 1 or grads[0].dtype not in TL_DTYPES:
             raise TypeError(f"grads must share one floating dtype, got {sorted({str(g.dtype) for g in grads})}")
-    elif tangent_coeffs.dtype != torch.float64 or tangent_coeffs.device != device or tangent_coeffs.numel() == 0:
-        raise ValueError(f"tangent_coeffs must be a non-empty float64 tensor on {device} when grads is empty, got "
-                         f"{tangent_coeffs.dtype} with {tangent_coeffs.numel()} elements on {tangent_coeffs.device}")
-    if schedule.dtype != torch.float64 or schedule.numel() != 3 or schedule.device != device:
-        raise ValueError(f"schedule must be a float64 tensor (step, alpha, gamma) on {device}, got {schedule.dtype} "
-                         f"with {schedule.numel()} elements on {schedule.device}")
+    elif (tangent_coeffs.dtype != torch.float64 or tangent_coeffs.device != device or tangent_coeffs.numel() == 0
+          or not tangent_coeffs.is_contiguous()):
+        raise ValueError(f"tangent_coeffs must be a non-empty contiguous float64 tensor on {device} when grads is "
+                         f"empty, got {tangent_coeffs.dtype} with {tangent_coeffs.numel()} elements on "
+                         f"{tangent_coeffs.device} (contiguous={tangent_coeffs.is_contiguous()})")
+    if (schedule.dtype != torch.float64 or schedule.numel() != 3 or schedule.device != device
+            or not schedule.is_contiguous()):
+        raise ValueError(f"schedule must be a contiguous float64 tensor (step, alpha, gamma) on {device}, got "
+                         f"{schedule.dtype} with {schedule.numel()} elements on {schedule.device} "
+                         f"(contiguous={schedule.is_contiguous()})")
     if gap.device != device:
         raise ValueError(f"gap must be on {device}, got {gap.device}")
-    if offsets and (len(offsets) != len(params) or min(offsets) < 0):
-        raise ValueError(f"offsets must be empty or hold one non-negative offset per parameter ({len(params)}), "
-                         f"got {list(offsets)}")
+    if not grads and (len(offsets) != len(params) or min(offsets) < 0):
+        # as the reference: tensors sharing an offset would share tangent values, a biased estimate
+        raise ValueError(f"offsets must give each of the {len(params)} params its non-negative stream offset for "
+                         f"the forward gradient, got {list(offsets)}")
     wanted = 1 if global_ball else len(params)
     if len(radii) < wanted:
         raise ValueError(f"radii must hold {'one radius (global ball)' if global_ball else 'one radius per parameter'}"
@@ -260,18 +285,19 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     """
     _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap)
     has_grad, has_momentum = bool(grads), bool(momentum)
-    rows, block_counts = [], []
+    rows, block_counts, first_slots = [], [], []
     aligned = True
     slot = 0
     for t, p in enumerate(params):
-        offset = offsets[t] if offsets else 0
-        # The gradient path reads no stream, so its blocks start at element 0 whatever the offset.
-        lead = 0 if has_grad else offset % 4
+        # The gradient path reads no stream (offsets are ignored), so its blocks start at element 0.
+        offset = 0 if has_grad else offsets[t]
+        lead = offset % 4
         addresses = (p.data_ptr(), momentum[t].data_ptr() if has_momentum else 0,
                      grads[t].data_ptr() if has_grad else 0)
         aligned = aligned and lead == 0 and all(a % 16 == 0 for a in addresses)
         rows.append((*addresses, p.numel(), offset - lead, lead, slot))
         block_counts.append(triton.cdiv(p.numel() + lead, BLOCK) if p.numel() else 0)
+        first_slots.append(slot)
         slot += block_counts[-1]
     if slot == 0:
         gap.zero_()
@@ -280,7 +306,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         balls, ball_radii = ((0, slot),), (float(radii[0]),)
     else:
         live = [t for t, n in enumerate(block_counts) if n]
-        balls = tuple((rows[t][_FIRST_SLOT], block_counts[t]) for t in live)
+        balls = tuple((first_slots[t], block_counts[t]) for t in live)
         ball_radii = tuple(float(radii[t]) for t in live)
     device = params[0].device
     meta, block_tensor, balls_t, radii_t = _tables(device, tuple(rows), tuple(block_counts), balls, ball_radii)
@@ -298,11 +324,11 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         # With grads, tangent_coeffs is never read and may be an empty tensor on any device: pass a
         # tensor known to be on the params' device in its place.
         _fw_blocks_kernel[(slot,)](
-            block_tensor, meta, schedule, schedule if has_grad else tangent_coeffs, partial_d, partial_index, partial_dot, key_lo, key_hi,
-            0 if has_grad else tangent_coeffs.numel(), PARAM_DTYPE=param_dtype,
+            block_tensor, meta, schedule, schedule if has_grad else tangent_coeffs, partial_d, partial_index,
+            partial_dot, key_lo, key_hi, 0 if has_grad else tangent_coeffs.numel(), PARAM_DTYPE=param_dtype,
             GRAD_DTYPE=TL_DTYPES[grads[0].dtype] if has_grad else param_dtype, COMPUTE_DTYPE=compute_dtype,
             HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum, GAUSSIAN=distribution == reference.GAUSSIAN,
-            ALIGNED=aligned, ROWS=ROWS, num_warps=4, enable_fp_fusion=False)
+            ALIGNED=aligned, ROWS=ROWS, num_warps=_BLOCK_WARPS, enable_fp_fusion=False)
         _fw_finalize_kernel[(len(balls),)](
             balls_t, radii_t, block_tensor, meta, schedule, partial_d, partial_index, partial_dot, ball_gap,
             PARAM_DTYPE=param_dtype, COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=4,

@@ -6,7 +6,8 @@ releases, and the stream must never change (TANGENT_STREAM_VERSION). The rounds 
 the reference's by construction; the known-answer vectors in the tests pin them.
 
 A block of the stream is generated as a [ROWS, 4] tile: row r is one Philox call (q = first + r), column
-c its word c, so stream index 4 q + c lands at tile position (r, c) with no shuffling of registers.
+c its word c, so stream index 4 q + c lands at tile position (r, c): each call is made once per block
+(not once per element) and the tile's row-major order is the stream's order.
 """
 from __future__ import annotations
 
@@ -101,6 +102,21 @@ def tangent_tile(stream_base, key_lo, key_hi, step, tangent_id, GAUSSIAN: tl.con
                     tl.where(col == 1, x1[:, None], tl.where(col == 2, x2[:, None], x3[:, None])))
 
 
+@triton.jit
+def to_storage(x, DTYPE: tl.constexpr):
+    """Rounds ``x`` (float32, or float64 for float64 storage) to DTYPE, to nearest even as torch does.
+
+    float32 -> bfloat16 is rounded by hand because Triton's interpreter truncates that conversion
+    (compiled Triton rounds to nearest even); NaN becomes torch's quiet NaN 0x7FC0.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "step", "tangent_id"])
 def _fill_tangent_kernel(out, numel, stream_base, key_lo, key_hi, step, tangent_id,
                          LEAD: tl.constexpr, GAUSSIAN: tl.constexpr, ROWS: tl.constexpr):
@@ -114,7 +130,7 @@ def _fill_tangent_kernel(out, numel, stream_base, key_lo, key_hi, step, tangent_
     mask = j < numel
     if LEAD:
         mask = mask & (j >= 0)
-    tl.store(out + j, u.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + j, to_storage(u, out.dtype.element_ty), mask=mask)
 
 
 def device_of(tensor: torch.Tensor):
@@ -151,7 +167,8 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offs
     lead = offset % 4
     key_lo, key_hi = key_words(seed)
     grid = (triton.cdiv(out.numel() + lead, BLOCK),)
+    # No FMA contraction, as in the step kernel, so a tangent has the same bits from either kernel.
     with device_of(out):
         _fill_tangent_kernel[grid](out, out.numel(), offset - lead, key_lo, key_hi, as_int32(step),
                                    as_int32(tangent_id), LEAD=lead, GAUSSIAN=distribution == reference.GAUSSIAN,
-                                   ROWS=ROWS, num_warps=4)
+                                   ROWS=ROWS, num_warps=4, enable_fp_fusion=False)

@@ -1,0 +1,45 @@
+"""The Triton launchers as torch custom ops, ``torch.ops.fgfw_triton.*``, so that torch.compile can trace a step.
+
+Registered with ``torch.library.custom_op``: to torch.compile each op is one opaque call that mutates
+the arguments named in ``mutates_args``, and runs the launcher unchanged when the graph runs. That
+works in both of Triton's modes: compiled kernels on CUDA tensors and the interpreter on CPU tensors.
+
+Why not ``torch.library.triton_op`` (which lets Inductor see and schedule the kernels themselves) on a
+GPU: it traces the op's body with fake tensors, and the step's launcher reads tensor addresses
+(``data_ptr``) to build its per-tensor table, which fake tensors do not have; under the interpreter
+``triton_op`` fails for the same reason ("Cannot access data pointer of Tensor"). One registration
+for both modes also keeps the compiled graph the same on the CPU (tested in CI) and on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import fw_step, tangent
+
+NAMESPACE = "fgfw_triton"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fill_tangent_", mutates_args=("out",))
+def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offset: int, distribution: int) -> None:
+    """``fgfw.triton.fill_tangent_`` (the tangent stream written into ``out``) as a custom op."""
+    tangent.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+
+
+@fill_tangent_.register_fake
+def _(out, seed, step, tangent_id, offset, distribution) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::l1_fw_step_", mutates_args=("params", "momentum", "gap"))
+def l1_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
+                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
+                offsets: list[int], seed: int, distribution: int, gap: torch.Tensor) -> None:
+    """``fgfw.triton.l1_fw_step_`` (the fused L1-ball Frank-Wolfe step) as a custom op."""
+    fw_step.l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                        distribution, gap)
+
+
+@l1_fw_step_.register_fake
+def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+      gap) -> None:
+    return None

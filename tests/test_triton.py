@@ -1,0 +1,296 @@
+"""The Triton backend (fgfw.triton) against the spec, fgfw.reference, on the same inputs.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors; with one, the same tests run
+compiled on CUDA tensors. Sizes are small because the interpreter is slow.
+"""
+import os
+
+import pytest
+import torch
+
+# Triton chooses between compiling and interpreting a kernel when the kernel is defined, i.e. when
+# fgfw.triton is imported, so the variable must be set before that import. It is set only without a
+# GPU (with one, the tests should exercise the compiled kernels) and stays set for the rest of the
+# session, which other modules that import Triton kernels later need on this machine too. If some
+# earlier module already imported fgfw.triton without it, is_available() is False and this module skips.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from fgfw import reference  # noqa: E402
+from fgfw import triton as fgfw_triton  # noqa: E402
+from fgfw.triton import fw_step, tangent  # noqa: E402
+from fgfw.triton.tangent import _philox4x32_10  # noqa: E402
+
+if not fgfw_triton.is_available():
+    pytest.skip("Triton kernels cannot run here: no CUDA device, and fgfw.triton was imported before "
+                "TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GAUSSIAN, RADEMACHER = reference.GAUSSIAN, reference.RADEMACHER
+# Gaussian tangents go through log/sqrt/sin/cos, whose last bits differ between torch, numpy (the
+# interpreter) and libdevice; everything else is plain IEEE arithmetic done in the reference's order.
+GAUSSIAN_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _philox_words_kernel(counter, key, out):
+    # Two identical lanes: the rounds must work on tensors, not only on scalars.
+    lane = tl.arange(0, 2)
+    zero = tl.zeros([2], tl.uint32)
+    c0 = tl.load(counter).to(tl.uint32, bitcast=True) + zero
+    c1 = tl.load(counter + 1).to(tl.uint32, bitcast=True) + zero
+    c2 = tl.load(counter + 2).to(tl.uint32, bitcast=True) + zero
+    c3 = tl.load(counter + 3).to(tl.uint32, bitcast=True) + zero
+    w0, w1, w2, w3 = _philox4x32_10(c0, c1, c2, c3, tl.load(key).to(tl.uint32, bitcast=True),
+                                    tl.load(key + 1).to(tl.uint32, bitcast=True))
+    tl.store(out + 4 * lane, w0.to(tl.int32, bitcast=True))
+    tl.store(out + 4 * lane + 1, w1.to(tl.int32, bitcast=True))
+    tl.store(out + 4 * lane + 2, w2.to(tl.int32, bitcast=True))
+    tl.store(out + 4 * lane + 3, w3.to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("counter, key, expected", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_known_answers(counter, key, expected):
+    """The Triton rounds give Random123's Philox4x32-10 words."""
+    as_i32 = lambda words: torch.tensor([tangent.as_int32(w) for w in words], dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    _philox_words_kernel[(1,)](as_i32(counter), as_i32(key), out)
+    assert [w & 0xFFFFFFFF for w in out.tolist()] == list(expected) * 2
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("numel, offset", [(1, 0), (7, 3), (4097, 0), (4097, 5), (33, (1 << 34) + 2)])
+def test_fill_tangent_matches_reference(distribution, numel, offset):
+    seed, step, tangent_id = -123456789, (1 << 31) + 5, 3  # negative seed, step above int32
+    out = torch.full((numel,), float("nan"), device=DEVICE)
+    fgfw_triton.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+    expected = reference.tangent(numel, seed, step, tangent_id, offset, distribution, device=DEVICE)
+    if distribution == RADEMACHER:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, **GAUSSIAN_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_fill_tangent_other_dtypes_and_layouts(dtype):
+    """Values are the float32 tangent rounded to out's dtype; a non-contiguous out is filled in flat order."""
+    out = torch.empty(9, 5, dtype=dtype, device=DEVICE).t()
+    fgfw_triton.fill_tangent_(out, 7, 2, 1, 6, RADEMACHER)
+    expected = torch.empty_like(out)
+    reference.fill_tangent_(expected, 7, 2, 1, 6, RADEMACHER)
+    assert torch.equal(out, expected)
+    out = torch.empty(45, dtype=dtype, device=DEVICE)
+    fgfw_triton.fill_tangent_(out, 7, 2, 1, 6, GAUSSIAN)
+    expected = reference.tangent(45, 7, 2, 1, 6, GAUSSIAN, device=DEVICE).to(dtype)
+    # float64 keeps the float32 error; bf16/fp16 may round a hair's difference to neighbouring values
+    tol = GAUSSIAN_TOL if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_fill_tangent_rejects_bad_distribution():
+    with pytest.raises(ValueError, match="distribution"):
+        fgfw_triton.fill_tangent_(torch.empty(3, device=DEVICE), 0, 0, 0, 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# l1_fw_step_
+
+
+def _make_step_inputs(sizes, dtype, *, momentum, grads, n_tangents=1, offsets=None, step=3, alpha=0.25,
+                      gamma=0.4, gen_seed=0):
+    gen = torch.Generator().manual_seed(gen_seed)
+    rand = lambda n, dt: torch.randn(n, generator=gen, dtype=torch.float64).to(dt).to(DEVICE)
+    compute = reference.compute_dtype(dtype)
+    if offsets is None:  # consecutive, as an optimizer lays out its group: most not multiples of 4
+        offsets = [sum(sizes[:t]) + 1 for t in range(len(sizes))]
+    return dict(
+        params=[rand(n, dtype) for n in sizes],
+        momentum=[rand(n, compute) for n in sizes] if momentum else [],
+        grads=[rand(n, dtype) for n in sizes] if grads else [],
+        schedule=torch.tensor([step, alpha, gamma], dtype=torch.float64, device=DEVICE),
+        tangent_coeffs=torch.randn(n_tangents, generator=gen, dtype=torch.float64).to(DEVICE),
+        offsets=offsets)
+
+
+def _run_both(inputs, radii, global_ball, distribution=RADEMACHER, seed=2024):
+    """Runs reference and Triton on copies of ``inputs``; returns both (params, momentum, gap)."""
+    results = []
+    for step_fn in (reference.l1_fw_step_, fgfw_triton.l1_fw_step_):
+        params = [p.clone() for p in inputs["params"]]
+        momentum = [v.clone() for v in inputs["momentum"]]
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
+        step_fn(params, momentum, inputs["grads"], inputs["schedule"], inputs["tangent_coeffs"], radii,
+                global_ball, inputs["offsets"], seed, distribution, gap)
+        results.append((params, momentum, gap))
+    return results
+
+
+def _assert_same_step(ref, got, exact, dtype=torch.float32):
+    (ref_params, ref_momentum, ref_gap), (params, momentum, gap) = ref, got
+    if exact:
+        tol = dict(rtol=0, atol=0)
+    elif dtype in (torch.bfloat16, torch.float16):
+        tol = dict(rtol=1e-2, atol=1e-2)  # a few float32 ulps can move a rounding to the neighbour
+    else:
+        tol = GAUSSIAN_TOL
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, equal_nan=True, **tol)
+    for v, w in zip(momentum, ref_momentum):
+        torch.testing.assert_close(v, w, equal_nan=True, **(dict(rtol=0, atol=0) if exact else GAUSSIAN_TOL))
+    # block partial sums are added in another order than the reference's
+    torch.testing.assert_close(gap, ref_gap, rtol=1e-10 if exact else 1e-5, atol=1e-10, equal_nan=True)
+
+
+def _assert_vertex_moved(ref_params, inputs):
+    """Guards the other tests against vacuous passes: the reference's step did touch a vertex."""
+    alpha = float(inputs["schedule"][1])
+    assert any(not torch.equal(p, (1 - alpha) * p0) for p, p0 in zip(ref_params, inputs["params"]))
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("n_tangents", [1, 2])
+@pytest.mark.parametrize("momentum", [False, True])
+def test_step_forward_gradient(distribution, n_tangents, momentum):
+    """FGFW (no momentum) and AFGFW (momentum): u regenerated in the kernel from (seed, step, k, offset + j)."""
+    inputs = _make_step_inputs([5, 2100, 1, 33], torch.float32, momentum=momentum, grads=False,
+                               n_tangents=n_tangents, gen_seed=n_tangents)
+    ref, got = _run_both(inputs, [1.0, 2.0, 0.5, 3.0], False, distribution)
+    _assert_vertex_moved(ref[0], inputs)
+    _assert_same_step(ref, got, exact=distribution == RADEMACHER)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_step_forward_gradient_global_ball_aligned_offsets(distribution):
+    """Offsets on Philox call boundaries take the aligned, unmasked path for full blocks."""
+    inputs = _make_step_inputs([8, 4096, 3], torch.float32, momentum=True, grads=False, n_tangents=2,
+                               offsets=[0, 8, 4104])
+    ref, got = _run_both(inputs, [2.5], True, distribution)
+    _assert_same_step(ref, got, exact=distribution == RADEMACHER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("global_ball", [False, True])
+def test_step_backprop_gradient(dtype, momentum, global_ball):
+    """FrankWolfe on given gradients: plain IEEE arithmetic in the reference's order, so bit-exact."""
+    inputs = _make_step_inputs([4100, 3, 1], dtype, momentum=momentum, grads=True, gen_seed=7)
+    ref, got = _run_both(inputs, [1.5, 0.5, 2.0], global_ball)
+    _assert_vertex_moved(ref[0], inputs)
+    _assert_same_step(ref, got, exact=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_step_forward_gradient_other_dtypes(dtype):
+    inputs = _make_step_inputs([7, 2050], dtype, momentum=True, grads=False, n_tangents=2, gen_seed=3)
+    ref, got = _run_both(inputs, [1.0, 4.0], False, GAUSSIAN)
+    _assert_same_step(ref, got, exact=False, dtype=dtype)
+
+
+def _tie_inputs(values, **kw):
+    inputs = _make_step_inputs([len(v) for v in values], torch.float32, momentum=False, grads=True, **kw)
+    inputs["grads"] = [torch.tensor(v, dtype=torch.float32, device=DEVICE) for v in values]
+    return inputs
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+def test_step_ties_lowest_index_wins(global_ball):
+    """Equal |d| (either sign): the lowest flat index wins; in the global ball the earlier tensor wins."""
+    big = [0.0] * 2500
+    big[2300], big[100], big[2000] = -3.0, 3.0, 3.0  # across blocks of one tensor: index 100
+    inputs = _tie_inputs([[0.0, -3.0, 3.0, 1.0], big, [3.0, -3.0]])
+    ref, got = _run_both(inputs, [1.0, 2.0, 3.0], global_ball)
+    _assert_same_step(ref, got, exact=True)
+    alpha = float(inputs["schedule"][1])
+    winners = [torch.nonzero(p != ((1 - alpha) * p0)).flatten().tolist()
+               for p, p0 in zip(got[0], inputs["params"])]
+    assert winners == ([[1], [], []] if global_ball else [[1], [100], [0]])
+
+
+def test_step_tie_across_tensors_prefers_later_larger():
+    inputs = _tie_inputs([[2.0, -5.0], [5.0, 0.0], [0.0, -5.5]])
+    ref, got = _run_both(inputs, [1.0], True)
+    _assert_same_step(ref, got, exact=True)
+
+
+def test_step_finalize_over_many_chunks(monkeypatch):
+    """Balls with more slots than one finalize iteration, and more balls than one gap-sum iteration."""
+    monkeypatch.setattr(fw_step, "_RBLOCK", 2)
+    values = [[0.0] * 5000 for _ in range(3)]
+    values[0][4999], values[1][10], values[1][4500], values[2][4000] = 7.0, -7.0, 7.0, 6.0
+    inputs = _tie_inputs(values)
+    for global_ball in (False, True):
+        ref, got = _run_both(inputs, [1.0, 2.0, 3.0], global_ball)
+        _assert_same_step(ref, got, exact=True)
+
+
+def test_step_single_element_and_zero_direction():
+    """A one-element tensor is its own argmax; d = 0 leaves it at (1 - alpha) theta (sign(0) = 0)."""
+    inputs = _tie_inputs([[0.0]])
+    ref, got = _run_both(inputs, [1.0], False)
+    _assert_same_step(ref, got, exact=True)
+    inputs = _make_step_inputs([1], torch.float32, momentum=True, grads=False)
+    for global_ball in (False, True):
+        _assert_same_step(*_run_both(inputs, [1.0], global_ball), exact=True)
+
+
+def test_step_several_small_tensors_and_an_empty_one():
+    sizes = [1, 2, 3, 0, 5, 8, 13]
+    inputs = _make_step_inputs(sizes, torch.float32, momentum=True, grads=False, n_tangents=2, gen_seed=11)
+    for global_ball in (False, True):
+        _assert_same_step(*_run_both(inputs, [0.5 + t for t in range(len(sizes))], global_ball), exact=True)
+
+
+def test_step_nan_wins_like_torch_argmax():
+    """NaN counts as the largest |d| (torch.argmax), above an earlier inf; sign(NaN) = 0, gap NaN."""
+    inputs = _tie_inputs([[1.0, float("inf"), 2.0, float("nan"), 1.0]])
+    _assert_same_step(*_run_both(inputs, [1.0], False), exact=True)
+
+
+def test_step_no_params_and_no_elements():
+    for params in ([], [torch.empty(0, device=DEVICE)]):
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
+        schedule = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
+        fgfw_triton.l1_fw_step_(params, [], [], schedule, torch.ones(1, dtype=torch.float64, device=DEVICE),
+                                [1.0] * len(params), False, [0] * len(params), 0, RADEMACHER, gap)
+        assert gap.item() == 0.0
+
+
+def test_step_repeated_steps_track_reference():
+    """Three AFGFW steps in a row (the momentum and the table cache carry over) stay on the reference."""
+    inputs = _make_step_inputs([6, 2049], torch.float32, momentum=True, grads=False, n_tangents=2)
+    states = [([p.clone() for p in inputs["params"]], [v.clone() for v in inputs["momentum"]]) for _ in range(2)]
+    for step in range(3):
+        schedule = torch.tensor([step, 2 / (step + 2), 1 / (step + 1)], dtype=torch.float64, device=DEVICE)
+        gaps = []
+        for step_fn, (params, momentum) in zip((reference.l1_fw_step_, fgfw_triton.l1_fw_step_), states):
+            gaps.append(torch.zeros((), dtype=torch.float64, device=DEVICE))
+            step_fn(params, momentum, [], schedule, inputs["tangent_coeffs"], [1.0, 2.0], False, inputs["offsets"],
+                    99, RADEMACHER, gaps[-1])
+        torch.testing.assert_close(gaps[1], gaps[0], rtol=1e-10, atol=1e-10)
+    for ref, got in zip(states[0], states[1]):
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+
+
+def test_step_rejects_mixed_dtypes_wrong_momentum_and_missing_offsets():
+    schedule = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
+    coeffs = torch.ones(1, dtype=torch.float64, device=DEVICE)
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    params = [torch.ones(3, device=DEVICE), torch.ones(3, dtype=torch.float64, device=DEVICE)]
+    with pytest.raises(ValueError, match=r"params\[1\]"):
+        fgfw_triton.l1_fw_step_(params, [], [], schedule, coeffs, [1.0, 1.0], False, [0, 3], 0, GAUSSIAN, gap)
+    params = [torch.ones(3, dtype=torch.bfloat16, device=DEVICE)]
+    with pytest.raises(TypeError, match="momentum"):
+        fgfw_triton.l1_fw_step_(params, [torch.zeros(3, dtype=torch.bfloat16, device=DEVICE)], [], schedule,
+                                coeffs, [1.0], False, [0], 0, GAUSSIAN, gap)
+    # the forward gradient needs one stream offset per tensor, as in the reference
+    with pytest.raises(ValueError, match="offsets"):
+        fgfw_triton.l1_fw_step_(params, [], [], schedule, coeffs, [1.0], False, [], 0, GAUSSIAN, gap)
