@@ -72,13 +72,19 @@ DirectionalDerivative = Callable[
 @contextlib.contextmanager
 def _attention_with_forward_ad() -> Iterator[None]:
     """Routes attention to kernels that have forward-mode rules, for the duration of the pass."""
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
+    # torch.compile cannot trace setting the process-wide fast-path flag: a compiled pass leaves it as it
+    # is, so an eval-mode nn.MultiheadAttention needs torch.backends.mha.set_fastpath_enabled(False) from
+    # the caller (its fast path has no forward-mode rule).
+    toggle_fastpath = not torch.compiler.is_compiling()
+    if toggle_fastpath:
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
     try:
         with sdpa_kernel(SDPBackend.MATH):
             yield
     finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
+        if toggle_fastpath:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 def _check_params(module: nn.Module, params: Sequence[torch.Tensor]) -> None:
@@ -161,3 +167,8 @@ def directional_derivative(module: nn.Module, params: Sequence[torch.Tensor],
 
 ENGINES: dict[str, DirectionalDerivative] = {"forward_ad": directional_derivative}
 DEFAULT_ENGINE = "forward_ad"
+
+# registered here, after the checks above that it reuses, so that every importer of ENGINES sees it
+from .lean import lean_directional_derivative  # noqa: E402
+
+ENGINES["lean"] = lean_directional_derivative

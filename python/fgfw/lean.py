@@ -1,0 +1,658 @@
+"""The lean forward-gradient engine: just-in-time tangents and lean forward-mode rules.
+
+``c = <grad f(theta), u>`` as in :mod:`fgfw.forward_grad`, computed so that a step costs about what an
+inference forward costs.
+
+Just-in-time tangents
+---------------------
+The engine runs the closure under a ``TorchFunctionMode`` that sees every torch call. When a call takes
+one of the given parameters (directly, in a list such as an RNN's flat weights, or as ``self`` of a
+method or property such as ``W.T``), the parameter is replaced *for that call only* by a dual tensor
+whose tangent ``make_tangent(j)`` has just materialised; when the call returns, nothing refers to the
+tangent any more and it is freed (unless the call returned a view of the parameter: the view keeps its
+tangent as long as it lives, which is exactly what forward mode needs). So tangent memory is one
+layer's parameters, not the whole model's, and every use of a parameter gets its tangent: attribute
+access, tied weights, parametrizations, parameters the closure captured itself. A parameter used
+twice regenerates the same values (the tangent stream is a pure function of (seed, step, index)).
+Metadata reads (``p.shape``, ``p.dtype``, ``p.size()`` ...) pass through without a tangent.
+
+Lean rules
+----------
+Torch's stock forward-mode rules are correct but not lean: the linear rule materialises a zero tangent
+for an input without one (input-sized) and adds terms apart (five output-sized buffers where two
+suffice). The calls below are routed to ``torch.autograd.Function`` subclasses with a ``jvp``
+staticmethod that accumulate in place; they work under ``torch.autograd.forward_ad`` and
+``torch.func.jvp`` / ``vmap`` (``generate_vmap_rule``), and so compose with the stock rules of
+everything else. Buffers beyond ``y`` and ``y_dot``, per rule:
+
+* ``F.linear`` (``nn.Linear``): none (``addmm`` then ``addmm_`` into the tangent).
+* ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
+  batch chunk).
+* ``F.relu`` / ``F.gelu``: none (``threshold_backward`` / ``gelu_backward`` on the tangent).
+* ``F.layer_norm``: the normalised input ``x_hat`` (row statistics by batched dot products, no
+  product temporaries).
+* ``F.softmax`` and ``F.cross_entropy`` (class-index targets, no class weights or label smoothing):
+  one logits-sized buffer (the softmax), the loss tangent is ``<softmax(z), z_dot> - z_dot[y]``.
+* ``F.scaled_dot_product_attention``: the primal runs on any backend (flash / memory-efficient kernels
+  have no forward-mode rule, but the rule never differentiates through them); the tangent
+  ``dO = dP V + P dV`` with ``dP = P * (dS - rowsum(P * dS))`` is computed chunk by chunk of query rows,
+  so no (L x L) tangent, and no (L x L) primal beyond one chunk, is ever stored.
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
+  ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
+
+Anything else (other layers, unsupported variants such as dropout inside attention or class weights)
+runs with torch's own forward-mode rules: correct, not lean.
+
+Several tangents in one pass
+----------------------------
+:func:`lean_directional_derivatives` pushes K tangents through ONE forward: the primal is computed once,
+every tangent carries a leading K dimension (``torch.func.vmap`` over ``torch.func.jvp``; the just-in-time
+tangents enter as batched tensors). Memory is linear in K for the tangents only. functorch refuses
+in-place updates of state captured by the closure, so modules that update buffers during the forward
+(BatchNorm in train mode) need the one-tangent engine, called K times.
+
+Limits shared with the ``forward_ad`` engine: one process-wide dual level (no nesting, one thread), the
+closure must not call ``backward()``, buffers get no tangent.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+from torch._C._functorch import (_add_batch_dim, get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor,
+                                  maybe_current_level, maybe_get_bdim, maybe_get_level)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from .forward_grad import _check_loss, _check_params, _check_tangent
+
+# the input-tangent term of a convolution is added in this many batch chunks: its temporary is 1/8 output
+_CONV_CHUNKS = 8
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1, keepdim=True) as a batched matrix product: no elementwise-product temporary."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1)
+
+
+def _batched_storage(x: torch.Tensor) -> torch.Tensor | None:
+    """The tensor under ``x``'s functorch wrappers if that is vmap-batched (inside a Function's jvp under
+    vmap(jvp), tangents arrive as grad-level wrappers of batched tensors), else None."""
+    while is_functorch_wrapped_tensor(x) and not is_batchedtensor(x):
+        x = get_unwrapped(x)
+    return x if is_batchedtensor(x) else None
+
+
+def _physical(batched: torch.Tensor, *others):
+    """``batched``'s storage with the batch dimension first, and ``others`` likewise (unbatched ones
+    expanded over the batch), so that an in-place op can run on them as one kernel. functorch has no
+    batching rule for ``addmm_`` / ``addcmul_`` and would otherwise loop over the K tangents."""
+    level = maybe_get_level(batched)
+    t = get_unwrapped(batched).movedim(maybe_get_bdim(batched), 0)
+
+    def lift(x):  # (K, *x.shape) with x's logical dims right-aligned to t's, as broadcasting aligns them
+        shape = x.shape
+        pad = (1,) * (t.dim() - 1 - len(shape))
+        inner = _batched_storage(x)
+        if inner is not None and maybe_get_level(inner) == level:
+            return get_unwrapped(inner).movedim(maybe_get_bdim(inner), 0).reshape(t.shape[0], *pad, *shape)
+        while is_functorch_wrapped_tensor(x):  # an unbatched primal under the jvp level's wrapper
+            x = get_unwrapped(x)
+        return x.reshape(1, *pad, *shape).expand(t.shape[0], *pad, *shape)
+
+    return t, [lift(x) for x in others]
+
+
+def _add_matmul_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """t += a @ b in place (2-D a, b, t)."""
+    batched = _batched_storage(t)
+    if batched is None:
+        return t.addmm_(a, b)
+    t_phys, (a, b) = _physical(batched, a, b)
+    with torch._C._DisableFuncTorch():  # plain tensors now: no transform must see (and refuse) the write
+        t_phys.baddbmm_(a, b)
+    return t
+
+
+def _addcmul_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+    """t += value * a * b in place."""
+    batched = _batched_storage(t)
+    if batched is None:
+        return t.addcmul_(a, b, value=value)
+    t_phys, (a, b) = _physical(batched, a, b)
+    with torch._C._DisableFuncTorch():
+        t_phys.addcmul_(a, b, value=value)
+    return t
+
+
+# -- lean forward-mode rules ----------------------------------------------------------------------------------
+class LinearJvp(torch.autograd.Function):
+    """y = x W^T + b;  y_dot = x_dot W^T + x W_dot^T + b_dot, accumulated into one buffer."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        x, weight, _ = inputs
+        ctx.save_for_forward(x, weight)
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        x, weight = ctx.saved_tensors
+        shape = x.shape[:-1] + weight.shape[:1]
+        x2 = x.reshape(-1, x.shape[-1])
+        t = None
+        if weight_t is not None:
+            t = torch.mm(x2, weight_t.t()) if bias_t is None else torch.addmm(bias_t, x2, weight_t.t())
+            bias_t = None
+        if x_t is not None:
+            x_t2 = x_t.reshape(x2.shape)
+            t = torch.mm(x_t2, weight.t()) if t is None else _add_matmul_(t, x_t2, weight.t())
+        if bias_t is not None:
+            t = bias_t.expand(x2.shape[0], -1).clone() if t is None else t.add_(bias_t)
+        return t.view(shape)
+
+
+class Conv2dJvp(torch.autograd.Function):
+    """y = conv(x, W) + b;  y_dot = conv(x, W_dot) + b_dot + conv(x_dot, W), the last term in batch chunks."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        x, weight, _, *ctx.conv = inputs
+        ctx.save_for_forward(x, weight)
+        ctx.out_shape = output.shape
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, *_):
+        x, weight = ctx.saved_tensors
+        t = None
+        if weight_t is not None:
+            t = F.conv2d(x, weight_t, bias_t, *ctx.conv)
+            bias_t = None
+        if x_t is not None:
+            if t is None:
+                t = F.conv2d(x_t, weight, bias_t, *ctx.conv)
+                bias_t = None
+            elif x_t.dim() == 4:
+                step = max(1, -(-x_t.shape[0] // _CONV_CHUNKS))
+                for start in range(0, x_t.shape[0], step):
+                    t[start:start + step].add_(F.conv2d(x_t[start:start + step], weight, None, *ctx.conv))
+            else:
+                t.add_(F.conv2d(x_t, weight, None, *ctx.conv))
+        if bias_t is not None:
+            bias_t = bias_t.view(-1, 1, 1)
+            t = bias_t.expand(ctx.out_shape).clone() if t is None else t.add_(bias_t)
+        return t
+
+
+class ReLUJvp(torch.autograd.Function):
+    """y = max(x, 0);  y_dot = x_dot where y > 0, else 0 (one kernel, no mask buffer)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.relu(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (y,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(x_t, y, 0)
+
+
+class GELUJvp(torch.autograd.Function):
+    """y = gelu(x);  y_dot = gelu'(x) x_dot (one kernel)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, approximate):
+        return F.gelu(x, approximate=approximate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.approximate = inputs
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def jvp(ctx, x_t, _):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(x_t, x, approximate=ctx.approximate)
+
+
+class LayerNormJvp(torch.autograd.Function):
+    """y = x_hat w + b, x_hat = (x - mean) rstd over the last dims;
+    y_dot = rstd (x_dot - mean(x_dot) - x_hat mean(x_dot x_hat)) w + x_hat w_dot + b_dot."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, normalized_shape, weight, bias, eps):
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        x, normalized_shape, weight, _, ctx.eps = inputs
+        ctx.size = math.prod(normalized_shape)
+        ctx.save_for_forward(x, weight)
+
+    @staticmethod
+    def jvp(ctx, x_t, _, weight_t, bias_t, __):
+        x, weight = ctx.saved_tensors
+        size = ctx.size
+        rows = x.reshape(-1, size)
+        var, mean = torch.var_mean(rows, -1, correction=0, keepdim=True)
+        rstd = var.add_(ctx.eps).rsqrt_()
+        x_hat = rows.sub(mean).mul_(rstd)
+        t = None
+        if x_t is not None:
+            x_t = x_t.reshape(rows.shape)
+            t = x_t - x_t.mean(-1, keepdim=True)
+            _addcmul_(t, x_hat, _rowdot(x_t, x_hat).div_(size), value=-1).mul_(rstd)
+            if weight is not None:
+                t.mul_(weight.reshape(size))
+        if weight_t is not None:
+            # x_hat * w_dot, not in place into x_hat: under vmap x_hat is unbatched and w_dot batched
+            t = x_hat * weight_t.reshape(size) if t is None else _addcmul_(t, x_hat, weight_t.reshape(size))
+        if bias_t is not None:
+            t = bias_t.reshape(size).expand(rows.shape).clone() if t is None else t.add_(bias_t.reshape(size))
+        return t.view(x.shape)
+
+
+class SoftmaxJvp(torch.autograd.Function):
+    """y = softmax(x);  y_dot = y (x_dot - <y, x_dot>) along ``dim``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dim):
+        return torch.softmax(x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dim = inputs[1] % max(1, output.dim())
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def jvp(ctx, x_t, _):
+        (y,) = ctx.saved_tensors
+        if ctx.dim == y.dim() - 1:
+            dot = _rowdot(y, x_t)
+        else:
+            dot = (y * x_t).sum(ctx.dim, keepdim=True)
+        return (x_t - dot).mul_(y)
+
+
+class CrossEntropyJvp(torch.autograd.Function):
+    """loss_i = logsumexp(z_i) - z_i[y_i];  loss_i_dot = <softmax(z_i), z_i_dot> - z_i_dot[y_i], then reduced."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(logits, target, ignore_index, reduction):
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, target, ctx.ignore_index, ctx.reduction = inputs
+        ctx.save_for_forward(logits, target)
+
+    @staticmethod
+    def jvp(ctx, logits_t, *_):
+        logits, target = ctx.saved_tensors
+        per_sample = _rowdot(torch.softmax(logits, -1), logits_t)
+        valid = (target != ctx.ignore_index).unsqueeze(-1)
+        per_sample.sub_(logits_t.gather(-1, target.clamp(min=0).unsqueeze(-1)))
+        per_sample = torch.where(valid, per_sample, 0).squeeze(-1)
+        if ctx.reduction == "none":
+            return per_sample
+        total = per_sample.sum()
+        return total if ctx.reduction == "sum" else total / valid.sum().to(total.dtype)
+
+
+class AttentionJvp(torch.autograd.Function):
+    """O = softmax(Q K^T s + M) V, tangent chunk by chunk of query rows:
+    dS = (dQ K^T + Q dK^T) s + dM, dP = P (dS - rowsum(P dS)), dO = dP V + P dV."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(query, key, value, attn_mask, is_causal, scale):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        query, key, value, attn_mask, ctx.is_causal, scale = inputs
+        ctx.scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        ctx.save_for_forward(query, key, value, attn_mask)
+        # rows per chunk: a chunk of scores is about as large as the output, never (L x L)
+        heads = max(1, math.prod(output.shape[:-2]))
+        ctx.rows = max(1, output.numel() // (heads * key.shape[-2]))
+
+    @staticmethod
+    def jvp(ctx, query_t, key_t, value_t, mask_t, *_):
+        query, key, value, mask = ctx.saved_tensors
+        length = query.shape[-2]
+        key_T = key.transpose(-2, -1)
+        key_t_T = None if key_t is None else key_t.transpose(-2, -1)
+        chunks = []
+        for start in range(0, length, ctx.rows):
+            rows = slice(start, min(length, start + ctx.rows))
+            q = query[..., rows, :]
+            scores = (q @ key_T).mul_(ctx.scale)
+            if mask is not None:
+                m = mask[..., rows, :] if mask.dim() >= 2 and mask.shape[-2] == length else mask
+                scores = scores.masked_fill_(~m, -math.inf) if m.dtype == torch.bool else scores.add_(m)
+            if ctx.is_causal:
+                causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(start + 1)
+                scores.masked_fill_(causal, -math.inf)
+            probs = torch.softmax(scores, -1)
+            del scores
+            d_scores = None
+            if query_t is not None:
+                d_scores = query_t[..., rows, :] @ key_T
+            if key_t_T is not None:
+                d_scores = q @ key_t_T if d_scores is None else d_scores.add_(q @ key_t_T)
+            if d_scores is not None:
+                d_scores.mul_(ctx.scale)
+            if mask_t is not None:
+                m_t = mask_t[..., rows, :] if mask_t.dim() >= 2 and mask_t.shape[-2] == length else mask_t
+                d_scores = d_scores.add_(m_t) if d_scores is not None else m_t.expand(probs.shape).clone()
+            out_t = None
+            if d_scores is not None:
+                d_probs = d_scores.sub_(_rowdot(probs, d_scores)).mul_(probs)
+                out_t = d_probs @ value
+            if value_t is not None:
+                out_t = probs @ value_t if out_t is None else out_t.add_(probs @ value_t)
+            chunks.append(out_t)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -2)
+
+
+# -- routing of torch calls to the rules (same signatures as the functions they replace) -------------------------
+def linear(input, weight, bias=None):
+    return LinearJvp.apply(input, weight, bias)
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return Conv2dJvp.apply(input, weight, bias, stride, padding, dilation, groups)
+
+
+def relu(input, inplace=False):
+    if inplace:  # torch's in-place rule updates the tangent in place: already lean
+        return NotImplemented
+    return ReLUJvp.apply(input)
+
+
+def gelu(input, approximate="none"):
+    return GELUJvp.apply(input, approximate)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return LayerNormJvp.apply(input, tuple(normalized_shape), weight, bias, eps)
+
+
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    if dim is None or dtype is not None:
+        return NotImplemented
+    return SoftmaxJvp.apply(input, dim)
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    if (weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
+            or input.dim() not in (1, 2) or target.dim() != input.dim() - 1 or target.is_floating_point()):
+        return NotImplemented
+    return CrossEntropyJvp.apply(input, target, ignore_index, reduction)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    if dropout_p != 0.0 or enable_gqa or (is_causal and attn_mask is not None):
+        return NotImplemented
+    return AttentionJvp.apply(query, key, value, attn_mask, is_causal, scale)
+
+
+def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+                                 bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias,
+                                 training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
+                                 use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
+                                 v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
+                                 is_causal=False):
+    """nn.MultiheadAttention's common case ((L, N, E) inputs, packed projection, no weights returned), with
+    torch's mask conventions (a bool ``attn_mask`` marks the positions NOT attended to; the ``is_causal``
+    hint replaces the mask)."""
+    if (need_weights or bias_k is not None or bias_v is not None or add_zero_attn or use_separate_proj_weight
+            or static_k is not None or static_v is not None or key_padding_mask is not None
+            or (dropout_p != 0.0 and training) or query.dim() != 3 or in_proj_weight is None
+            or (is_causal and attn_mask is None)):  # the stock function raises its own error for the last
+        return NotImplemented
+    length, batch, embed = query.shape
+    if embed != embed_dim_to_check:
+        raise ValueError(f"query has embedding size {embed}, the module expects {embed_dim_to_check}")
+    if query is key and key is value:
+        q, k, v = linear(query, in_proj_weight, in_proj_bias).chunk(3, dim=-1)
+    else:
+        weights = in_proj_weight.chunk(3)
+        biases = (None,) * 3 if in_proj_bias is None else in_proj_bias.chunk(3)
+        q, k, v = (linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    head = embed // num_heads
+    if is_causal:
+        attn_mask = None
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                attn_mask, -math.inf)
+        if attn_mask.dim() == 3:  # (N * H, L, S) or (1, L, S)
+            attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else attn_mask.view(
+                batch, num_heads, length, -1)
+
+    def heads(x):  # (L, N, E) -> (N, H, L, E/H), a view
+        return x.view(x.shape[0], batch, num_heads, head).permute(1, 2, 0, 3)
+
+    out = scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=attn_mask, is_causal=is_causal)
+    out = out.permute(2, 0, 1, 3).reshape(length * batch, embed)
+    return linear(out, out_proj_weight, out_proj_bias).view(length, batch, embed), None
+
+
+_RULES = {
+    F.linear: linear,
+    F.conv2d: conv2d,
+    F.relu: relu, torch.relu: relu, torch.Tensor.relu: relu,
+    F.gelu: gelu,
+    F.layer_norm: layer_norm,
+    F.softmax: softmax, torch.Tensor.softmax: softmax,
+    F.cross_entropy: cross_entropy,
+    F.scaled_dot_product_attention: scaled_dot_product_attention,
+    F.multi_head_attention_forward: multi_head_attention_forward,
+}
+# calls whose stock fallback needs attention kernels that have forward-mode rules
+_NEEDS_MATH_ATTENTION = {F.scaled_dot_product_attention, F.multi_head_attention_forward}
+
+_METADATA_METHODS = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_contiguous,
+    torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.__len__, torch.Tensor.storage_offset, torch.Tensor.get_device, torch.Tensor.__hash__,
+    torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.untyped_storage,
+}
+_METADATA_PROPERTIES = {
+    "shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "grad", "grad_fn", "data", "names",
+    "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_nested", "itemsize", "nbytes", "_version",
+}
+
+
+def _reads_metadata_only(func) -> bool:
+    if func in _METADATA_METHODS:
+        return True
+    # property getters arrive as the descriptor's __get__
+    return getattr(func, "__name__", None) == "__get__" and getattr(func.__self__, "__name__", None) in \
+        _METADATA_PROPERTIES
+
+
+class _JustInTimeTangents(TorchFunctionMode):
+    """Gives each call that uses a tracked parameter a dual of it, and routes calls to the lean rules."""
+
+    def __init__(self, params: Sequence[torch.Tensor], dual_of: Callable[[int], torch.Tensor]):
+        super().__init__()
+        self._index = {id(p): j for j, p in enumerate(params)}
+        self._dual_of = dual_of
+
+    def _attach(self, value, duals: dict):
+        if isinstance(value, torch.Tensor):
+            j = self._index.get(id(value))
+            if j is None:
+                return value
+            if j not in duals:
+                duals[j] = self._dual_of(j)
+            return duals[j]
+        if isinstance(value, (list, tuple)) and any(id(v) in self._index for v in value):
+            return type(value)(self._attach(v, duals) for v in value)
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _reads_metadata_only(func):
+            duals = {}
+            args = tuple(self._attach(a, duals) for a in args)
+            kwargs = {k: self._attach(v, duals) for k, v in kwargs.items()}
+            rule = _RULES.get(func)
+            if rule is not None:
+                out = rule(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            if func in _NEEDS_MATH_ATTENTION:
+                with sdpa_kernel(SDPBackend.MATH):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# -- the engines ----------------------------------------------------------------------------------------------
+def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor],
+                                make_tangent: Callable[[int], torch.Tensor],
+                                closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss f(theta) and c = <grad f(theta), u> in one lean forward pass (just-in-time tangents).
+
+    Same contract as :func:`fgfw.forward_grad.directional_derivative`; ``make_tangent(j)`` is called when
+    a call first needs ``params[j]`` (once per call that uses it, possibly several times per pass, and
+    not at all for a parameter the closure never uses), so it must return the same values every time.
+    """
+    params = list(params)
+    _check_params(module, params)
+
+    def dual_of(j: int) -> torch.Tensor:
+        tangent = make_tangent(j)
+        _check_tangent(j, params[j], tangent)
+        return fwAD.make_dual(params[j].detach(), tangent)
+
+    with torch.inference_mode(False), torch.no_grad(), fwAD.dual_level():
+        with _JustInTimeTangents(params, dual_of):
+            loss = _check_loss(closure())
+        primal, loss_tangent = fwAD.unpack_dual(loss)
+        loss = primal.detach().reshape(())
+        c = torch.zeros_like(loss) if loss_tangent is None else loss_tangent.detach().reshape(())
+    return loss, c
+
+
+def lean_directional_derivatives(module: nn.Module, params: Sequence[torch.Tensor],
+                                 make_tangents: Callable[[int], torch.Tensor], closure: Callable[[], torch.Tensor],
+                                 num_tangents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and c_k = <grad f(theta), u_k> for K = ``num_tangents`` tangents in ONE lean forward pass.
+
+    ``make_tangents(j)`` returns the K tangents of ``params[j]`` stacked, shape ``(K, *params[j].shape)``.
+    Returns ``(loss, c)`` with c of shape (K,). The closure runs once, under ``torch.func.vmap`` over
+    ``torch.func.jvp``: it must not update state it captured in place (BatchNorm running statistics in
+    train mode); such models raise ``ValueError`` and need :func:`lean_directional_derivative` per tangent.
+    """
+    params = list(params)
+    _check_params(module, params)
+    if isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 1:
+        raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
+
+    def one_pass(_):
+        level = maybe_current_level()
+
+        def dual_of(j: int) -> torch.Tensor:
+            with torch._C._DisableFuncTorch():
+                tangents = make_tangents(j)
+            p = params[j]
+            if not isinstance(tangents, torch.Tensor) or (tangents.shape, tangents.dtype, tangents.device) != (
+                    (num_tangents, *p.shape), p.dtype, p.device):
+                described = (f"shape {tuple(tangents.shape)}, {tangents.dtype} on {tangents.device}"
+                             if isinstance(tangents, torch.Tensor) else type(tangents).__name__)
+                raise ValueError(f"make_tangents({j}) returned {described}; params[{j}] needs shape "
+                                 f"{(num_tangents, *p.shape)}, {p.dtype} on {p.device}")
+            # the K tangents enter as one batched tensor of the vmap level: the primal stays unbatched
+            return fwAD.make_dual(p.detach(), _add_batch_dim(tangents, 0, level))
+
+        def run(_):
+            with _JustInTimeTangents(params, dual_of):
+                return _check_loss(closure()).reshape(())
+
+        anchor = torch.zeros(())  # func.jvp needs an input; the tangents enter through the parameters
+        return torch.func.jvp(run, (anchor,), (anchor,))
+
+    with torch.inference_mode(False), torch.no_grad():
+        try:
+            loss, c = torch.func.vmap(one_pass, out_dims=(None, 0), randomness="same")(torch.zeros(num_tangents))
+        except RuntimeError as error:
+            if "mutate a captured Tensor" not in str(error):
+                raise
+            raise ValueError(
+                "the closure updates a tensor it captured in place (e.g. BatchNorm running statistics in train "
+                "mode), which several tangents in one pass cannot do; use the one-tangent engine per tangent "
+                f"(torch: {error})") from None
+    return loss.detach(), c.detach()
+
+def measure_peak(fn: Callable[[], object], device="cpu") -> tuple[object, int]:
+    """``(fn(), peak bytes allocated during fn above what was allocated before)``: the memory yardstick.
+
+    CUDA: the caching allocator's peak statistics. CPU: torch's profiler with ``profile_memory=True``
+    reports every allocation and free of torch's CPU allocator with a timestamp; the peak is the largest
+    running sum. Both count tensors (activations, tangents, kernel workspaces that use torch's allocator),
+    not the interpreter or allocator caching, so they are stable from run to run, unlike the peak RSS.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+# the one-tangent engine names its K-tangents-in-one-pass form, so ENGINES keeps one signature
+lean_directional_derivative.batched = lean_directional_derivatives

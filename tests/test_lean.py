@@ -1,0 +1,352 @@
+"""The lean engine: each lean rule against PyTorch's own JVP and finite differences, the engines against
+backprop, just-in-time tangents, no graph, memory flat in depth, K tangents in one pass."""
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fgfw
+from fgfw import lean
+from fgfw.forward_grad import ENGINES, directional_derivative
+from fgfw.models import paper_mlp
+from test_forward_grad import MODELS, backprop_reference, logits_of, relative_error, stream_tangents
+
+D = torch.float64
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=D)
+
+
+# -- each rule: (lean function, torch function, tensor inputs, other arguments) ---------------------------------
+def rule_cases():
+    torch.manual_seed(10)
+    mask_bool = torch.rand(2, 13, 11) > 0.3
+    mask_bool[..., 0] = True  # no fully masked row
+    return {
+        "linear": (lean.linear, F.linear, [randn(3, 4, 6), randn(5, 6), randn(5)], {}),
+        "linear_1d": (lean.linear, F.linear, [randn(6), randn(5, 6), randn(5)], {}),
+        "conv2d": (lean.conv2d, F.conv2d, [randn(10, 3, 7, 7), randn(4, 3, 3, 3), randn(4)],
+                   dict(stride=2, padding=1)),
+        "conv2d_groups": (lean.conv2d, F.conv2d, [randn(3, 4, 6, 6), randn(6, 2, 3, 3), randn(6)],
+                          dict(padding="same", groups=2, dilation=1)),
+        "relu": (lean.relu, F.relu, [randn(4, 9)], {}),
+        "gelu": (lean.gelu, F.gelu, [randn(4, 9)], {}),
+        "gelu_tanh": (lean.gelu, F.gelu, [randn(4, 9)], dict(approximate="tanh")),
+        "layer_norm": (lambda x, w, b: lean.layer_norm(x, (3, 5), w, b), lambda x, w, b: F.layer_norm(x, (3, 5), w, b),
+                       [randn(4, 3, 5), randn(3, 5), randn(3, 5)], {}),
+        "layer_norm_plain": (lambda x: lean.layer_norm(x, (7,)), lambda x: F.layer_norm(x, (7,)), [randn(2, 3, 7)], {}),
+        "softmax_last": (lambda x: lean.softmax(x, -1), lambda x: F.softmax(x, -1), [randn(4, 6)], {}),
+        "softmax_dim0": (lambda x: lean.softmax(x, 0), lambda x: F.softmax(x, 0), [randn(4, 6)], {}),
+        "cross_entropy": (lambda z: lean.cross_entropy(z, torch.tensor([0, 3, 2, 3, -100])),
+                          lambda z: F.cross_entropy(z, torch.tensor([0, 3, 2, 3, -100])), [randn(5, 4)], {}),
+        "cross_entropy_sum": (lambda z: lean.cross_entropy(z, torch.tensor([1, 2]), reduction="sum"),
+                              lambda z: F.cross_entropy(z, torch.tensor([1, 2]), reduction="sum"), [randn(2, 4)], {}),
+        "cross_entropy_none": (lambda z: lean.cross_entropy(z, torch.tensor([1, 2, 0]), reduction="none"),
+                               lambda z: F.cross_entropy(z, torch.tensor([1, 2, 0]), reduction="none"),
+                               [randn(3, 4)], {}),
+        "cross_entropy_1d": (lambda z: lean.cross_entropy(z, torch.tensor(2)),
+                             lambda z: F.cross_entropy(z, torch.tensor(2)), [randn(4)], {}),
+        # 13 query rows of 4-wide heads: the tangent is computed in chunks of 4 rows (the last one partial)
+        "attention": (lean.scaled_dot_product_attention, F.scaled_dot_product_attention,
+                      [randn(2, 3, 13, 4), randn(2, 3, 11, 4), randn(2, 3, 11, 4)], {}),
+        "attention_causal": (lean.scaled_dot_product_attention, F.scaled_dot_product_attention,
+                             [randn(2, 13, 4), randn(2, 13, 4), randn(2, 13, 4)], dict(is_causal=True, scale=0.3)),
+        "attention_bool_mask": (lean.scaled_dot_product_attention, F.scaled_dot_product_attention,
+                                [randn(2, 13, 4), randn(2, 11, 4), randn(2, 11, 4)], dict(attn_mask=mask_bool)),
+        "attention_float_mask": (lambda q, k, v, m: lean.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                 lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                 [randn(2, 13, 4), randn(2, 11, 4), randn(2, 11, 4), randn(13, 11)], {}),
+    }
+
+
+RULES = rule_cases()
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rule_matches_torch_jvp_and_finite_differences(name):
+    lean_fn, torch_fn, inputs, kwargs = RULES[name]
+    torch.manual_seed(11)
+    tangents = [torch.randn_like(x) for x in inputs]
+
+    out, out_t = torch.func.jvp(lambda *a: lean_fn(*a, **kwargs), tuple(inputs), tuple(tangents))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref, ref_t = torch.func.jvp(lambda *a: torch_fn(*a, **kwargs), tuple(inputs), tuple(tangents))
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
+
+    eps = 1e-6
+    with sdpa_kernel(SDPBackend.MATH):
+        plus = torch_fn(*[x + eps * t for x, t in zip(inputs, tangents)], **kwargs)
+        minus = torch_fn(*[x - eps * t for x, t in zip(inputs, tangents)], **kwargs)
+    torch.testing.assert_close(out_t, (plus - minus) / (2 * eps), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["linear", "conv2d", "layer_norm", "attention_float_mask"])
+def test_rule_with_some_inputs_constant(name):
+    """Each input alone carrying a tangent (forward_ad leaves the others without one): the rule's None paths."""
+    lean_fn, torch_fn, inputs, kwargs = RULES[name]
+    torch.manual_seed(12)
+    for i in range(len(inputs)):
+        tangent = torch.randn_like(inputs[i])
+        with fwAD.dual_level():
+            args = list(inputs)
+            args[i] = fwAD.make_dual(inputs[i], tangent)
+            lean_t = fwAD.unpack_dual(lean_fn(*args, **kwargs)).tangent
+            with sdpa_kernel(SDPBackend.MATH):
+                ref_t = fwAD.unpack_dual(torch_fn(*args, **kwargs)).tangent
+        torch.testing.assert_close(lean_t, ref_t, rtol=1e-10, atol=1e-12)
+
+
+def test_rules_under_vmap_of_jvp():
+    """K tangents at once (the batched engine's path), including the in-place accumulations."""
+    for name in ("linear", "layer_norm", "conv2d", "attention"):
+        lean_fn, torch_fn, inputs, kwargs = RULES[name]
+        torch.manual_seed(13)
+        tangents = [torch.randn(3, *x.shape, dtype=D) for x in inputs]
+        lean_t = torch.func.vmap(lambda *t: torch.func.jvp(lambda *a: lean_fn(*a, **kwargs), tuple(inputs), t)[1])(
+            *tangents)
+        for k in range(3):
+            with sdpa_kernel(SDPBackend.MATH):
+                _, ref_t = torch.func.jvp(lambda *a: torch_fn(*a, **kwargs), tuple(inputs),
+                                          tuple(t[k] for t in tangents))
+            torch.testing.assert_close(lean_t[k], ref_t, rtol=1e-10, atol=1e-12)
+
+
+def test_unsupported_variants_are_declined():
+    x = randn(4, 3)
+    assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), weight=randn(3)) is NotImplemented
+    assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), label_smoothing=0.1) is NotImplemented
+    assert lean.scaled_dot_product_attention(x[None], x[None], x[None], dropout_p=0.1) is NotImplemented
+    assert lean.relu(x, inplace=True) is NotImplemented
+
+
+# -- the engines against backprop ------------------------------------------------------------------------------
+def double_model(name):
+    model, x, y = MODELS[name]()
+    model.double()
+    return model, (x.double() if x.is_floating_point() else x), y
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_lean_engine_matches_backprop(name):
+    model, x, y = double_model(name)
+    loss_fn = lambda m: F.cross_entropy(logits_of(m, x), y)
+    params = list(model.parameters())
+    tangents = stream_tangents(params)
+    ref_loss, ref_c, clone = backprop_reference(model, list(range(len(params))), tangents, loss_fn)
+
+    loss, c = ENGINES["lean"](model, params, lambda j: tangents[j], lambda: loss_fn(model))
+
+    assert relative_error(c, ref_c) <= 1e-10
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    for (name_, buf), ref_buf in zip(model.named_buffers(), clone.buffers()):
+        assert torch.equal(buf, ref_buf), name_  # BatchNorm statistics: one ordinary forward's update
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n != "batchnorm"])
+def test_batched_engine_matches_backprop_per_tangent(name):
+    model, x, y = double_model(name)
+    loss_fn = lambda m: F.cross_entropy(logits_of(m, x), y)
+    params = list(model.parameters())
+    per_tangent = [stream_tangents(params, tangent_id=k) for k in range(3)]
+    refs = [backprop_reference(model, list(range(len(params))), t, loss_fn) for t in per_tangent]
+
+    batched = ENGINES["lean"].batched
+    loss, c = batched(model, params, lambda j: torch.stack([t[j] for t in per_tangent]), lambda: loss_fn(model), 3)
+
+    assert c.shape == (3,)
+    for k, (ref_loss, ref_c, _) in enumerate(refs):
+        assert relative_error(c[k], ref_c) <= 1e-10
+    torch.testing.assert_close(loss, refs[0][0], rtol=1e-13, atol=0)
+
+
+def test_batched_engine_refuses_batchnorm_training_and_checks_shapes():
+    model, x, y = double_model("batchnorm")
+    params = list(model.parameters())
+    stacked = [torch.stack([u, u]) for u in stream_tangents(params)]
+    with pytest.raises(ValueError, match="in place"):
+        lean.lean_directional_derivatives(model, params, lambda j: stacked[j], lambda: F.cross_entropy(model(x), y), 2)
+    model, x, y = double_model("mlp")
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"make_tangents\(0\)"):
+        lean.lean_directional_derivatives(model, params, lambda j: torch.zeros_like(params[j]),
+                                          lambda: F.cross_entropy(model(x), y), 2)
+
+
+class CrossAttention(nn.Module):
+    """Attention with distinct query and memory: the unpacked projection path, and MHA's mask conventions."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, memory, mask, causal):
+        return self.head(self.attn(x, memory, memory, attn_mask=mask, need_weights=False, is_causal=causal)[0])
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool", "per_head", "causal"])
+def test_cross_attention_masks_and_a_captured_parameter(mask_kind, monkeypatch):
+    calls = []
+    rule = lean.AttentionJvp.jvp
+    monkeypatch.setattr(lean.AttentionJvp, "jvp", staticmethod(lambda ctx, *t: calls.append(1) or rule(ctx, *t)))
+    torch.manual_seed(14)
+    model = CrossAttention().double()
+    x, memory = randn(2, 6, 8), randn(2, 9, 8)
+    masks = {"float": randn(6, 9), "bool": torch.rand(6, 9) > 0.7, "per_head": randn(2 * 2, 6, 9),
+             "causal": torch.ones(6, 9, dtype=torch.bool).triu(1)}
+    mask, causal = masks[mask_kind], mask_kind == "causal"
+    y = torch.randint(0, 5, (12,))
+    weight = model.head.weight  # also used by the closure directly, outside any module
+    loss_fn = lambda m, w: F.cross_entropy(m(x, memory, mask, causal).reshape(-1, 5), y) + 0.1 * w.pow(2).sum()
+    params = list(model.parameters())
+    tangents = stream_tangents(params)
+    _, ref_c, _ = backprop_reference(model, list(range(len(params))), tangents, lambda m: loss_fn(m, m.head.weight))
+    _, c = ENGINES["lean"](model, params, lambda j: tangents[j], lambda: loss_fn(model, weight))
+    assert relative_error(c, ref_c) <= 1e-10
+    assert calls == [1]  # through the lean attention rule, not torch's fallback
+
+
+# -- just-in-time tangents, no graph ---------------------------------------------------------------------------
+def test_tangents_are_made_just_before_their_layer_and_freed_after():
+    torch.manual_seed(15)
+    model = nn.Sequential(nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3))
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    params = list(model.parameters())
+    owner = {id(p): i for i, m in enumerate(model) for p in m.parameters()}
+    events, alive = [], []
+
+    def make_tangent(j):
+        u = torch.randn_like(params[j])
+        events.append(("tangent", owner[id(params[j])]))
+        alive.append(weakref.ref(u))
+        return u
+
+    def pre_hook(module, _):
+        events.append(("layer", list(model).index(module)))
+        if module is model[4]:  # the last layer starts: earlier layers' tangents must be gone
+            assert sum(ref() is not None for ref in alive) == 0
+
+    for m in model:
+        m.register_forward_pre_hook(pre_hook)
+    ENGINES["lean"](model, params, make_tangent, lambda: F.cross_entropy(model(x), y))
+    layers = [i for kind, i in events if kind == "layer"]
+    for kind, i in events:
+        if kind == "tangent":  # a layer's tangents are made after the layer starts, before the next one
+            assert events.index(("layer", i)) < events.index((kind, i))
+            later = [e for e in events if e[0] == "layer" and e[1] > i]
+            assert not later or events.index((kind, i)) < events.index(later[0])
+    assert layers == [0, 1, 2, 3, 4]
+
+
+def test_no_graph_and_nothing_saved_for_backward():
+    model, x, y = MODELS["transformer"]()
+    params = list(model.parameters())
+    tangents = stream_tangents(params)
+    outputs, saved = [], []
+    for m in model.modules():
+        m.register_forward_hook(lambda mod, inp, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss, c = ENGINES["lean"](model, params, lambda j: tangents[j],
+                                  lambda: F.cross_entropy(logits_of(model, x), y))
+    assert outputs and all(o.grad_fn is None for o in outputs)
+    assert saved == []
+    for t in (loss, c):
+        assert t.grad_fn is None and not t.requires_grad
+    assert all(p.grad is None for p in params)
+    with fwAD.dual_level():
+        assert all(fwAD.unpack_dual(p).tangent is None for p in params)
+
+
+def test_parameters_untouched_after_raise_and_engine_runs_again():
+    model, x, y = MODELS["tied"]()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    tangents = stream_tangents(params)
+
+    def failing():
+        model(x)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        ENGINES["lean"](model, params, lambda j: tangents[j], failing)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    _, c = ENGINES["lean"](model, params, lambda j: tangents[j], lambda: F.cross_entropy(model(x), y))
+    _, ref_c = directional_derivative(model, params, lambda j: tangents[j], lambda: F.cross_entropy(model(x), y))
+    assert relative_error(c.double(), ref_c.double()) <= 1e-4
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+def mlp_of_depth(depth, width=256):
+    torch.manual_seed(16)
+    layers = [nn.Linear(64, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def step_peaks(model, x, y):
+    params = list(model.parameters())
+    tangents = stream_tangents(params)
+    closure = lambda: F.cross_entropy(model(x), y)
+    _, lean_peak = lean.measure_peak(lambda: ENGINES["lean"](model, params, lambda j: tangents[j].clone(), closure))
+
+    def backprop():
+        closure().backward()
+        model.zero_grad(set_to_none=True)
+
+    _, backprop_peak = lean.measure_peak(backprop)
+    return lean_peak, backprop_peak
+
+
+def test_peak_memory_does_not_grow_with_depth():
+    x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
+    activation = 512 * 256 * 4
+    lean_2, backprop_2 = step_peaks(mlp_of_depth(2), x, y)
+    lean_8, backprop_8 = step_peaks(mlp_of_depth(8), x, y)
+    # lean: a constant number of activations (x, x_dot, y, y_dot and one layer's tangents), whatever the depth
+    assert lean_8 <= lean_2 + activation // 4
+    assert lean_8 <= 5 * activation
+    # the measure sees depth where there is some: backprop keeps every layer's activations
+    assert backprop_8 >= backprop_2 + 6 * activation
+
+
+def test_lean_rule_is_leaner_than_torchs_on_the_paper_net():
+    """torch's linear rule materialises a zero tangent of the input (784 x batch); the lean one does not."""
+    model = paper_mlp()
+    x, y = torch.randn(1024, 784), torch.randint(0, 10, (1024,))
+    params = list(model.parameters())
+    tangents = stream_tangents(params)
+    closure = lambda: F.cross_entropy(model(x), y)
+    _, stock = lean.measure_peak(lambda: directional_derivative(model, params, lambda j: tangents[j], closure))
+    _, lean_peak = lean.measure_peak(lambda: ENGINES["lean"](model, params, lambda j: tangents[j], closure))
+    assert stock >= x.numel() * 4  # the input-sized zero tangent
+    assert lean_peak <= stock / 10
+
+
+# -- with the optimizer ----------------------------------------------------------------------------------------
+def test_optimizer_with_lean_engine_follows_the_forward_ad_trajectory():
+    model, x, y = MODELS["cnn"]()
+    model.double()
+    x = x.double()
+    twin = copy.deepcopy(model)
+    runs = []
+    for m, engine in ((model, "forward_ad"), (twin, "lean")):
+        opt = fgfw.AFGFW(m, constraint=fgfw.L1Ball(radius=50.0), seed=3, num_tangents=2, engine=engine,
+                         backend="torch")
+        runs.append([float(opt.step(lambda: F.cross_entropy(m(x), y))) for _ in range(3)])
+    assert runs[0] == pytest.approx(runs[1], rel=1e-12)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_registry():
+    assert ENGINES["forward_ad"] is directional_derivative
+    assert ENGINES["lean"] is lean.lean_directional_derivative
+    assert ENGINES["lean"].batched is lean.lean_directional_derivatives
