@@ -67,7 +67,7 @@ def manual_afgfw(model, x, y, steps, seed, radius, num_tangents=1, momentum=True
     params = list(model.parameters())
     offsets = [0]
     for p in params[:-1]:
-        offsets.append(offsets[-1] + p.numel())
+        offsets.append(offsets[-1] + -(-p.numel() // 4) * 4)  # each tensor starts at a Philox call
     v = [torch.zeros_like(p) for p in params]
     for k in range(1, steps + 1):
         alpha, gamma = (1.0 / k, 1.0 / math.sqrt(k)) if momentum else (2.0 / (k + 2), 1.0)

@@ -30,6 +30,7 @@ def _compiled_extension() -> bool:
         from . import _C  # noqa: F401  (loaded for its side effect: registering the fgfw ops)
     except ImportError:
         return False
+    from . import _fake  # noqa: F401  (their fake implementations, for torch.compile)
     return True
 
 
@@ -66,6 +67,10 @@ def available_backends(device) -> list[str]:
     return [b for b in BACKENDS if backend_available(b, device)]
 
 
+# Under torch.compile the choice is made once, when the step is traced (dynamo cannot trace the
+# dispatcher queries and environment reads it needs), and baked into the graph: set FGFW_BACKEND
+# before the first compiled step.
+@torch.compiler.assume_constant_result
 def resolve_backend(backend: str | None, device) -> str:
     """The backend to use on ``device``: ``backend``, else $FGFW_BACKEND, else the fastest available."""
     device = torch.device(device)
@@ -89,13 +94,24 @@ def resolve_backend(backend: str | None, device) -> str:
     return backend
 
 
-def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offset: int, distribution: int,
-                  backend: str) -> torch.Tensor:
-    """Writes the tangent stream into ``out`` (see ``reference.fill_tangent_``) and returns ``out``."""
+def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangent_id: int, offset: int,
+                  distribution: int, backend: str) -> torch.Tensor:
+    """Writes the tangent stream into ``out`` (see ``reference.fill_tangent_``) and returns ``out``.
+
+    ``step`` is an int, or the optimizers' step counter: a 0-dim integer CPU tensor, whose value is read
+    on the host (no device synchronisation) when the tangent is written.
+    """
+    if isinstance(step, torch.Tensor):
+        if torch.compiler.is_compiling():
+            # The op reads the value when the graph runs, so the graph takes the counter, not its value,
+            # and is not specialised (recompiled) for every step.
+            torch.ops.fgfw_host.fill_tangent_(out, seed, step, tangent_id, offset, distribution, backend)
+            return out
+        step = int(step)
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     elif backend == "triton":
-        _triton_module().fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+        torch.ops.fgfw_triton.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     else:
         reference.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     return out
@@ -109,6 +125,18 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.l1_fw_step_(*args)
     elif backend == "triton":
-        _triton_module().l1_fw_step_(*args)
+        torch.ops.fgfw_triton.l1_fw_step_(*args)
     else:
         reference.l1_fw_step_(*args)
+
+
+@torch.library.custom_op("fgfw_host::fill_tangent_", mutates_args=("out",))
+def _fill_tangent_at_counter_(out: torch.Tensor, seed: int, step: torch.Tensor, tangent_id: int, offset: int,
+                              distribution: int, backend: str) -> None:
+    """``fill_tangent_`` at the step held by the CPU tensor ``step``: what a torch.compile'd step calls."""
+    fill_tangent_(out, seed, int(step), tangent_id, offset, distribution, backend)
+
+
+@_fill_tangent_at_counter_.register_fake
+def _(out, seed, step, tangent_id, offset, distribution, backend) -> None:
+    return None

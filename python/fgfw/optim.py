@@ -23,6 +23,27 @@ def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
 
 
+def _split_rows(params, grads, moms, radii, starts):
+    """Scope "row": every ball (a row, see ``L1Ball.rows``) becomes its own tensor of the fused op.
+
+    Rows of a contiguous tensor are contiguous views of its memory, so the op updates the parameter in
+    place; row i of a tensor starting at stream index o starts at o + i * row numel, so the tangents are
+    exactly those of the whole tensor.
+    """
+    split = [], [], [], [], []
+    for t, p in enumerate(params):
+        rows = L1Ball.rows(p)
+        split[0].extend(rows)
+        if grads:
+            split[1].extend(L1Ball.rows(grads[t].reshape(p.shape)))
+        if moms:
+            split[2].extend(L1Ball.rows(moms[t]))
+        split[3].extend(radii[t])
+        row_numel = p.numel() // len(rows) if rows else 0
+        split[4].extend(starts[t] + i * row_numel for i in range(len(rows)))
+    return split
+
+
 class _FrankWolfeBase(torch.optim.Optimizer):
     """What all three optimizers share: validation, radii, the step counter and the fused update."""
 
@@ -30,11 +51,25 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if not isinstance(constraint, L1Ball):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
                             f"got {type(constraint).__name__}")
-        self._step_count_k = 0  # k of the last step taken; the next step is k + 1
+        # k of the last step taken (the next step is k + 1): a CPU tensor advanced in place, so that a
+        # torch.compile'd step reads and advances it inside one graph (a Python int would be specialised,
+        # one compilation per k), and reading it as an int for a tangent costs no device synchronisation.
+        self._step_count_k = torch.zeros((), dtype=torch.int64)
         self.check_finite = bool(check_finite)
-        self.last_gap: torch.Tensor | None = None
+        # What a step reports goes into a dict: torch.compile (dynamo) drops attribute assignments to an
+        # optimizer made inside a compiled step, but keeps the mutations of a container it holds.
+        self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         defaults = dict(defaults, constraint=constraint, backend=backend)
         super().__init__(params, defaults)
+
+    @property
+    def last_gap(self) -> torch.Tensor | None:
+        """The Frank-Wolfe gap of the last step (float64 tensor); None before the first step."""
+        return self._step_results["gap"]
+
+    @last_gap.setter
+    def last_gap(self, gap: torch.Tensor | None) -> None:
+        self._step_results["gap"] = gap
 
     # -- construction -------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -77,10 +112,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     # -- persistence --------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        return {"step": self._step_count_k}
+        return {"step": int(self._step_count_k)}
 
     def _load_extra_state(self, extra: dict) -> None:
-        self._step_count_k = int(extra["step"])
+        self._step_count_k.fill_(int(extra["step"]))
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -107,8 +142,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._load_extra_state(extra)
 
     # -- the update ---------------------------------------------------------------------------------------------
-    def _plan(self, k: int) -> list[tuple[dict, float, float]]:
-        """(group, alpha_k, gamma_k) for every group, evaluated before anything is modified."""
+    def _plan(self, k: torch.Tensor) -> list[tuple[dict, float | torch.Tensor, float | torch.Tensor]]:
+        """(group, alpha_k, gamma_k) for every group, evaluated before anything is modified.
+
+        k is the step counter tensor; named schedules come out as float64 tensors (schedules.evaluate).
+        """
+        k = k.to(torch.float64)
         plan = []
         for group in self.param_groups:
             alpha = schedules.evaluate(group["step_size"], k, "step_size")
@@ -116,13 +155,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             plan.append((group, alpha, gamma))
         return plan
 
-    def _averaging_weight(self, group: dict, k: int) -> float:
+    def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
         return 0.0
 
     def _uses_momentum(self, group: dict) -> bool:
         return False
 
-    def _apply(self, plan, k: int, *, grads_of: Callable[[torch.Tensor], torch.Tensor | None] | None,
+    def _apply(self, plan, k: torch.Tensor, *, grads_of: Callable[[torch.Tensor], torch.Tensor | None] | None,
                tangent_coeffs: torch.Tensor | None, offsets: dict[int, int], seed: int, distribution: int) -> None:
         gaps = []
         for group, alpha, gamma in plan:
@@ -137,7 +176,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             buckets: dict[torch.dtype, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault(p.dtype, []).append(i)
-            schedule = torch.tensor([float(k), alpha, gamma], dtype=torch.float64, device=device)
+            schedule = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (k, alpha, gamma)]).to(device)
             coeffs = (tangent_coeffs.to(device) if tangent_coeffs is not None
                       else torch.zeros(0, dtype=torch.float64, device=device))
             for dtype, indices in buckets.items():
@@ -158,15 +197,18 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                             state["momentum"] = torch.zeros_like(p, dtype=reference.compute_dtype(p.dtype))
                         moms.append(state["momentum"])
                 radii = group["radii"] if constraint.global_ball else [group["radii"][i] for i in indices]
+                starts = [offsets.get(id(p), 0) for p in ps]
+                if constraint.scope == "row":
+                    ps, grads, moms, radii, starts = _split_rows(ps, grads, moms, radii, starts)
                 gap = torch.zeros((), dtype=torch.float64, device=device)
-                _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs, radii, constraint.global_ball,
-                                 [offsets.get(id(p), 0) for p in ps], seed, distribution, gap, backend=backend)
+                _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs, radii, constraint.global_ball, starts, seed,
+                                 distribution, gap, backend=backend)
                 gaps.append(gap)
         # summed where the first group lives: no host synchronisation
         self.last_gap = None
         for gap in gaps:
             self.last_gap = gap if self.last_gap is None else self.last_gap + gap.to(self.last_gap.device)
-        self._step_count_k = k
+        self._step_count_k.copy_(k)
 
 
 class FrankWolfe(_FrankWolfeBase):
@@ -185,7 +227,8 @@ class FrankWolfe(_FrankWolfeBase):
         step_size: alpha_k (schedule name, constant or callable; default ``"2/(k+2)"``).
         momentum: rho in [0, 1), or None for none (0 also means none).
         backend: ``"cuda" | "triton" | "cpu" | "torch" | "auto"`` (default: $FGFW_BACKEND, else auto).
-        check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync).
+        check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync;
+            under torch.compile a graph break, so ``fullgraph=True`` needs ``check_finite=False``).
 
     Parameters whose ``grad`` is None are skipped (per-tensor balls) or take a zero gradient (a global
     ball, whose update scales every parameter). After a step, ``last_gap`` holds the Frank-Wolfe gap
@@ -207,7 +250,7 @@ class FrankWolfe(_FrankWolfeBase):
     def _uses_momentum(self, group: dict) -> bool:
         return bool(group["momentum"])
 
-    def _averaging_weight(self, group: dict, k: int) -> float:
+    def _averaging_weight(self, group: dict, k: torch.Tensor) -> float:
         return 1.0 - group["momentum"] if group["momentum"] else 0.0
 
     @torch.no_grad()
@@ -232,8 +275,8 @@ class FrankWolfe(_FrankWolfeBase):
         if self.check_finite:
             grads = [p.grad for group, _, _ in plan for p in group["params"] if p.grad is not None]
             if grads and not all(bool(torch.isfinite(n)) for n in torch._foreach_norm(grads)):
-                raise ValueError(f"a gradient is not finite at step k={k}; parameters and optimizer state were left "
-                                 f"unchanged (pass check_finite=False to skip this check)")
+                raise ValueError(f"a gradient is not finite at step k={int(k)}; parameters and optimizer state were "
+                                 f"left unchanged (pass check_finite=False to skip this check)")
         self._apply(plan, k, grads_of=lambda p: p.grad, tangent_coeffs=None, offsets={}, seed=0, distribution=0)
         return loss
 
@@ -281,12 +324,16 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.seed, self.tangent, self.num_tangents = int(extra["seed"]), extra["tangent"], int(extra["num_tangents"])
 
     def _stream_offsets(self) -> tuple[list[torch.Tensor], dict[int, int]]:
-        """All parameters in order and each one's first index in the tangent stream."""
+        """All parameters in order and each one's first index in the tangent stream.
+
+        Each tensor starts at a multiple of 4, the start of a Philox call, so that the kernels can draw one
+        call per 4 aligned elements of every tensor (vectorised loads and stores).
+        """
         params = [p for g in self.param_groups for p in g["params"]]
         offsets, start = {}, 0
         for p in params:
             offsets[id(p)] = start
-            start += p.numel()
+            start += -(-p.numel() // 4) * 4
         return params, offsets
 
     @torch.no_grad()
@@ -323,7 +370,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             coeffs.append(c.reshape(()).to(torch.float64))
         coeffs = torch.stack(coeffs)
         if self.check_finite and not bool(torch.isfinite(coeffs).all()):
-            raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={k} "
+            raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
                              f"(values {coeffs.tolist()}, loss {float(loss)}); parameters and optimizer state were left "
                              f"unchanged (check the closure and step size, or pass check_finite=False)")
         self._apply(plan, k, grads_of=None, tangent_coeffs=coeffs / self.num_tangents, offsets=offsets,
@@ -394,5 +441,5 @@ class AFGFW(_ForwardGradientFrankWolfe):
     def _uses_momentum(self, group: dict) -> bool:
         return True
 
-    def _averaging_weight(self, group: dict, k: int) -> float:
+    def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
         return schedules.evaluate(group["averaging_weight"], k, "averaging_weight")

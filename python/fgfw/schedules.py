@@ -13,12 +13,21 @@ from __future__ import annotations
 import math
 from typing import Callable, Union
 
+import torch
+
 Schedule = Union[str, float, Callable[[int], float]]
 
+
+def _sqrt(k):
+    # Both square roots are correctly rounded: a float64 tensor k gives the value of the int k.
+    return k.sqrt() if isinstance(k, torch.Tensor) else math.sqrt(k)
+
+
+# Each works on an int k and on a float64 tensor k (see evaluate).
 NAMED = {
     "2/(k+2)": lambda k: 2.0 / (k + 2),
     "1/k": lambda k: 1.0 / k,
-    "1/sqrt(k)": lambda k: 1.0 / math.sqrt(k),
+    "1/sqrt(k)": lambda k: 1.0 / _sqrt(k),
 }
 
 
@@ -38,11 +47,20 @@ def check_schedule(spec: Schedule, name: str) -> Schedule:
     return spec
 
 
-def evaluate(spec: Schedule, k: int, name: str) -> float:
-    """The value of a schedule at step k (k >= 1), checked to lie in [0, 1]."""
+def evaluate(spec: Schedule, k: int | torch.Tensor, name: str) -> float | torch.Tensor:
+    """The value of a schedule at step k (k >= 1), checked to lie in [0, 1].
+
+    k may be a float64 tensor holding an integer (the optimizers' step counter): a named schedule is
+    then a float64 tensor computed without reading k on the host, so that torch.compile traces it into
+    the step without specialising on k; it lies in (0, 1] for every k >= 1, so it is not checked. A
+    callable gets the int k (a host read: under torch.compile, a graph break).
+    """
     if isinstance(spec, str):
         value = NAMED[spec](k)
+        if isinstance(k, torch.Tensor):
+            return value
     elif callable(spec):
+        k = int(k)
         value = float(spec(k))
     else:
         value = float(spec)

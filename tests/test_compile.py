@@ -1,0 +1,160 @@
+"""torch.compile of whole optimizer steps (fullgraph=True) against eager, and the ops' registrations.
+
+Also the Triton backend's whole AFGFW trajectory against the reference's. On the CPU the Triton kernels
+run in the interpreter; the CUDA and GPU-Triton variants skip without a GPU. Compiling takes tens of
+seconds per graph here, so the models are tiny and every compiled run is checked for several things.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# As in test_triton.py: the interpreter must be chosen before fgfw.triton is first imported.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import fgfw  # noqa: E402
+from fgfw import _ops  # noqa: E402
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STEPS = 5
+
+
+def _require(backend: str, device: str) -> None:
+    if not _ops.backend_available(backend, device):
+        pytest.skip(f"backend {backend!r} cannot run on {device} here (available: {_ops.available_backends(device)})")
+
+
+@pytest.fixture
+def compiled_graphs():
+    """A function returning the number of graphs dynamo compiled since the test started."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+
+
+def _batches(device, steps=STEPS):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=gen).to(device), torch.randint(0, 3, (8,), generator=gen).to(device))
+            for _ in range(steps)]
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).to(device)
+
+
+def _afgfw_run(backend, device, tangent, *, compiled):
+    """STEPS AFGFW steps with the paper's (named) schedules; returns (params, gaps, optimizer)."""
+    model = _model(device)
+    opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=11, tangent=tangent, num_tangents=2,
+                     backend=backend, check_finite=False)
+    step = lambda x, y: opt.step(lambda: F.cross_entropy(model(x), y))  # noqa: E731
+    if compiled:
+        step = torch.compile(step, fullgraph=True)
+    gaps = []
+    for x, y in _batches(device):
+        step(x, y)
+        gaps.append(opt.last_gap.item())
+    return [p.detach().clone() for p in model.parameters()], gaps, opt
+
+
+def _frank_wolfe_run(backend, device, *, compiled):
+    """STEPS backprop FW steps with momentum and the "2/(k+2)" schedule; opt.step alone is compiled."""
+    model = _model(device)
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=10.0), momentum=0.9, backend=backend,
+                          check_finite=False)
+    step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+    gaps = []
+    for x, y in _batches(device):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        step()
+        gaps.append(opt.last_gap.item())
+    return [p.detach().clone() for p in model.parameters()], gaps, opt
+
+
+def _assert_same_run(got, expected, tol):
+    for p, q in zip(got[0], expected[0]):
+        torch.testing.assert_close(p, q, **tol)
+    assert got[1] == pytest.approx(expected[1], rel=1e-5)
+    # the step counter advanced inside the graph and persists as in eager
+    assert got[2].state_dict()["fgfw"] == expected[2].state_dict()["fgfw"]
+
+
+# Rademacher tangents make the update exact arithmetic on the argmax; compiled and eager forward passes
+# still round the directional derivative (hence v) differently in the last bits.
+EXACTISH = dict(rtol=1e-6, atol=1e-7)
+GAUSSIAN_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, device, tangent", [
+    ("cpu", "cpu", "rademacher"),
+    ("cpu", "cpu", "gaussian"),
+    ("triton", TRITON_DEVICE, "rademacher"),
+    pytest.param("triton", "cuda", "gaussian", marks=GPU),
+    pytest.param("cuda", "cuda", "rademacher", marks=GPU),
+    pytest.param("cuda", "cuda", "gaussian", marks=GPU),
+])
+def test_forward_gradient_step_compiles_whole(backend, device, tangent, compiled_graphs):
+    """JVP + fused update in one graph: equal to eager, and compiled at most twice over five steps (once
+    for the first step, once more when the momentum state exists; k is a tensor, so no graph per step)."""
+    _require(backend, device)
+    expected = _afgfw_run(backend, device, tangent, compiled=False)
+    got = _afgfw_run(backend, device, tangent, compiled=True)
+    assert compiled_graphs() <= 2
+    _assert_same_run(got, expected, EXACTISH if tangent == "rademacher" else GAUSSIAN_TOL)
+
+
+@pytest.mark.parametrize("backend, device", [
+    ("cpu", "cpu"),
+    pytest.param("cuda", "cuda", marks=GPU),
+    pytest.param("triton", "cuda", marks=GPU),
+])
+def test_backprop_step_compiles_whole(backend, device, compiled_graphs):
+    _require(backend, device)
+    expected = _frank_wolfe_run(backend, device, compiled=False)
+    got = _frank_wolfe_run(backend, device, compiled=True)
+    assert compiled_graphs() <= 2
+    # the gradients come from the same eager backward: the compiled step is plain IEEE arithmetic
+    _assert_same_run(got, expected, dict(rtol=0, atol=0))
+
+
+@pytest.mark.parametrize("tangent", ["rademacher", "gaussian"])
+def test_triton_trajectory_equals_the_reference(tangent):
+    _require("triton", TRITON_DEVICE)
+    expected = _afgfw_run("torch", TRITON_DEVICE, tangent, compiled=False)
+    got = _afgfw_run("triton", TRITON_DEVICE, tangent, compiled=False)
+    if tangent == "rademacher":
+        for p, q in zip(got[0], expected[0]):
+            assert torch.equal(p, q)
+        assert got[1] == pytest.approx(expected[1], rel=1e-10)  # the gap is summed in another order
+    else:
+        _assert_same_run(got, expected, GAUSSIAN_TOL)
+
+
+def test_cpp_ops_pass_opcheck(fgfw_ops):
+    """The fake implementations (fgfw/_fake.py) agree with the C++ kernels' schemas and aliasing."""
+    torch.library.opcheck(fgfw_ops.fill_tangent_.default, (torch.empty(10), 3, 2, 1, 4, 1))
+    for grads in ([], [torch.randn(5), torch.randn(7)]):
+        args = ([torch.randn(5), torch.randn(7)], [torch.zeros(5), torch.zeros(7)], grads,
+                torch.tensor([2.0, 0.5, 0.25], dtype=torch.float64), torch.tensor([0.3, -1.0], dtype=torch.float64),
+                [1.0, 2.0], False, [0, 8], 5, 0, torch.zeros((), dtype=torch.float64))
+        torch.library.opcheck(fgfw_ops.l1_fw_step_.default, args)
+
+
+def test_triton_and_counter_ops_pass_opcheck():
+    _require("triton", TRITON_DEVICE)
+    out = torch.empty(10, device=TRITON_DEVICE)
+    torch.library.opcheck(torch.ops.fgfw_triton.fill_tangent_.default, (out, 3, 2, 1, 4, 1))
+    torch.library.opcheck(torch.ops.fgfw_host.fill_tangent_.default,
+                          (out, 3, torch.tensor(2), 1, 4, 1, "triton"))
+    f64 = dict(dtype=torch.float64, device=TRITON_DEVICE)
+    args = ([torch.randn(5, device=TRITON_DEVICE)], [torch.zeros(5, device=TRITON_DEVICE)], [],
+            torch.tensor([2.0, 0.5, 0.25], **f64), torch.tensor([0.3], **f64), [1.0], True, [0], 5, 1,
+            torch.zeros((), **f64))
+    torch.library.opcheck(torch.ops.fgfw_triton.l1_fw_step_.default, args)
