@@ -389,4 +389,5 @@ def test_bad_params_and_tangents_are_named():
 
 
 def test_engine_registry():
-    assert ENGINES[DEFAULT_ENGINE] is directional_derivative
+    assert ENGINES["forward_ad"] is directional_derivative
+    assert DEFAULT_ENGINE == "lean" and DEFAULT_ENGINE in ENGINES

@@ -558,6 +558,12 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
     a call first needs ``params[j]`` (once per call that uses it, possibly several times per pass, and
     not at all for a parameter the closure never uses), so it must return the same values every time.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo guards on the identities the just-in-time mode looks up (a new input batch each step would
+        # mean a new graph each step); traced, the stock forward-AD pass is one graph whose buffers
+        # Inductor plans itself.
+        from .forward_grad import directional_derivative
+        return directional_derivative(module, params, make_tangent, closure)
     params = list(params)
     _check_params(module, params)
 
