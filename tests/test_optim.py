@@ -316,3 +316,23 @@ def test_load_state_dict_rejects_foreign_state():
     foreign = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
     with pytest.raises(ValueError, match="fgfw"):
         opt.load_state_dict(foreign)
+
+
+@pytest.mark.parametrize("tangent", ["gaussian", "rademacher"])
+def test_tangents_in_one_pass_follow_the_same_trajectory(tangent):
+    x, y = batch()
+    runs = []
+    for one_pass in (False, True):
+        model = mlp()
+        opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=4, num_tangents=3, tangent=tangent,
+                         step_size=0.1, tangents_in_one_pass=one_pass)
+        for _ in range(3):
+            opt.step(lambda: F.cross_entropy(model(x), y))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def test_tangents_in_one_pass_needs_a_batched_engine():
+    with pytest.raises(ValueError, match="tangents_in_one_pass"):
+        fgfw.AFGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), engine="forward_ad", tangents_in_one_pass=True)

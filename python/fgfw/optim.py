@@ -286,7 +286,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
     def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: L1Ball,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
-                 check_finite: bool):
+                 check_finite: bool, tangents_in_one_pass: bool):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -297,6 +297,9 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         engine = forward_grad.DEFAULT_ENGINE if engine is None else engine
         if engine not in forward_grad.ENGINES:
             raise ValueError(f"engine must be one of {sorted(forward_grad.ENGINES)}, got {engine!r}")
+        if tangents_in_one_pass and not hasattr(forward_grad.ENGINES[engine], "batched"):
+            raise ValueError(f"tangents_in_one_pass=True needs an engine with a batched form (\"lean\"), got "
+                             f"engine={engine!r}")
         if seed is None:
             seed = int(torch.empty((), dtype=torch.int64).random_())  # from torch's RNG: manual_seed fixes it
         elif isinstance(seed, bool) or not isinstance(seed, int):
@@ -305,6 +308,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.seed = seed
         self.tangent = tangent
         self.num_tangents = num_tangents
+        self.tangents_in_one_pass = bool(tangents_in_one_pass)
         self.engine = engine
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]
@@ -363,12 +367,19 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             return make_tangent
 
         derivative = forward_grad.ENGINES[self.engine]
-        loss, coeffs = None, []
-        for tangent_id in range(self.num_tangents):
-            loss_t, c = derivative(self.module, params, tangent_maker(tangent_id), closure)
-            loss = loss_t if loss is None else loss
-            coeffs.append(c.reshape(()).to(torch.float64))
-        coeffs = torch.stack(coeffs)
+        if self.tangents_in_one_pass and self.num_tangents > 1:
+            makers = [tangent_maker(t) for t in range(self.num_tangents)]
+            loss, coeffs = derivative.batched(self.module, params,
+                                              lambda j: torch.stack([make(j) for make in makers]), closure,
+                                              self.num_tangents)
+            coeffs = coeffs.reshape(-1).to(torch.float64)
+        else:
+            loss, coeffs = None, []
+            for tangent_id in range(self.num_tangents):
+                loss_t, c = derivative(self.module, params, tangent_maker(tangent_id), closure)
+                loss = loss_t if loss is None else loss
+                coeffs.append(c.reshape(()).to(torch.float64))
+            coeffs = torch.stack(coeffs)
         if self.check_finite and not bool(torch.isfinite(coeffs).all()):
             raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
                              f"(values {coeffs.tolist()}, loss {float(loss)}); parameters and optimizer state were left "
@@ -397,8 +408,12 @@ class FGFW(_ForwardGradientFrankWolfe):
         step_size: alpha_k (default the paper's ``"2/(k+2)"``).
         seed: seed of the tangent stream (default: drawn from torch's RNG). Same seed, same run.
         tangent: ``"gaussian"`` (the paper) or ``"rademacher"``.
-        num_tangents: K forward passes per step.
-        engine: forward-mode engine name from ``fgfw.forward_grad.ENGINES``.
+        num_tangents: K tangents per step (K forward passes; the estimate is their mean).
+        tangents_in_one_pass: carry the K tangents through ONE forward pass (vmap over the lean JVP rules:
+            the primal is computed once, tangent memory grows with K). Not for modules that update buffers
+            in place (BatchNorm in train mode raises ``ValueError``).
+        engine: forward-mode engine from ``fgfw.forward_grad.ENGINES``: ``"lean"`` (default: just-in-time
+            tangents, lean rules) or ``"forward_ad"`` (torch's stock forward-mode AD, the reference).
         backend, check_finite: as in :class:`FrankWolfe`; a non-finite directional derivative raises
             ``ValueError`` and leaves parameters and state untouched.
     """
@@ -406,10 +421,10 @@ class FGFW(_ForwardGradientFrankWolfe):
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
-                 check_finite: bool = True):
+                 check_finite: bool = True, tangents_in_one_pass: bool = False):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
-                         check_finite=check_finite)
+                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass)
 
 
 class AFGFW(_ForwardGradientFrankWolfe):
@@ -429,10 +444,10 @@ class AFGFW(_ForwardGradientFrankWolfe):
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
-                 backend: str | None = None, check_finite: bool = True):
+                 backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
-                         backend=backend, check_finite=check_finite)
+                         backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)
