@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
 #include "philox.h"
 
 namespace fgfw {
@@ -57,6 +59,10 @@ void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::T
   } else {
     TORCH_CHECK(radii.size() == n, "l1_fw_step_: radii must hold one radius per parameter (", n, "), got ",
                 radii.size());
+  }
+  for (size_t r = 0; r < radii.size(); ++r) {
+    TORCH_CHECK(std::isfinite(radii[r]) && radii[r] > 0, "l1_fw_step_: radii[", r,
+                "] must be a finite radius > 0, got ", radii[r]);
   }
   // Without offsets every tensor would draw the same tangent values: the forward gradient needs them.
   TORCH_CHECK(offsets.size() == n || (!forward_gradient && offsets.empty()),

@@ -2,6 +2,12 @@
 // One pass over each element regenerates u (never stored), updates v, scales theta, and reduces
 // the argmax |d| and <d, theta_old>; then only the winning element(s) move to the vertex.
 // The arithmetic follows python/fgfw/reference.py operation by operation (same roundings, no FMA).
+//
+// Speed: the pass runs in blocks of kBlock elements through small loops the compiler vectorises
+// (no per-element branch on dtype, direction source or momentum: they are template parameters):
+// Philox words for the block's calls, tangent values, the direction, the update, then the block's
+// max |d| and dot product in eight lanes. Only a block whose max beats the best so far is scanned
+// again for the first index of that max.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -9,6 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +32,15 @@ namespace {
 constexpr int64_t kSegment = 1 << 14;
 // Below this many elements in the whole group, the step runs on the calling thread.
 constexpr int64_t kParallelMin = 1 << 15;
+// Elements per block of the vectorised pipeline; its buffers stay in L1.
+constexpr int kBlock = 512;
+// Philox calls a block can touch: it may start and end in the middle of a call.
+constexpr int kBlockCalls = kBlock / 4 + 2;
+// Accumulator lanes of the block reductions (the dot product's summation order depends on them,
+// never on the thread count).
+constexpr int kLanes = 8;
+
+enum class Source { kGaussian, kRademacher, kGrad };
 
 struct Segment {
   size_t tensor;
@@ -61,28 +78,242 @@ T sign_of(T x) {
   return static_cast<T>((x > T(0)) - (x < T(0)));
 }
 
-template <typename scalar_t>
-void l1_fw_step_kernel(at::TensorList params, at::TensorList momentum, at::TensorList grads, const double* schedule,
-                       const double* tangent_coeffs, int64_t num_tangents, c10::ArrayRef<double> radii,
-                       bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
-                       double* gap) {
-  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  const size_t n = params.size();
-  const int64_t step = static_cast<int64_t>(schedule[0]);
-  const acc_t alpha = static_cast<acc_t>(schedule[1]);
-  const acc_t gamma = static_cast<acc_t>(schedule[2]);
-  const acc_t one_minus_alpha = acc_t(1) - alpha;
-  const acc_t one_minus_gamma = acc_t(1) - gamma;
-  const bool forward_gradient = grads.empty();
+// ---- The tangent stream, a block at a time -----------------------------------------------------
+// philox.h's scalar Box-Muller calls libm's logf/sinf/cosf, which do not vectorise and would cost
+// more than the whole rest of the step. These branch-free float32 versions (Cephes' minimax
+// polynomials, within 2 ulp) cover the only arguments Box-Muller produces: u1 in (0, 1) and angles
+// in (0, 2 pi]. The values agree with philox.h's to the Gaussian tolerance every backend is held to.
 
-  std::vector<TangentStream> streams;
-  std::vector<acc_t> coeffs;
-  if (forward_gradient) {
-    for (int64_t k = 0; k < num_tangents; ++k) {
-      streams.emplace_back(seed, step, k);
-      coeffs.push_back(static_cast<acc_t>(tangent_coeffs[k]));
+float float_of_bits(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+uint32_t bits_of_float(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
+// ln x for normal x in (0, 1]: x = 2^e m with m in [sqrt(1/2), sqrt(2)), ln x = e ln 2 + ln m.
+float log_unit(float x) {
+  const uint32_t bits = bits_of_float(x);
+  const float m_low = float_of_bits((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+  const bool high = m_low > 1.41421356f;
+  const float m = high ? m_low * 0.5f : m_low;
+  const float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127 + (high ? 1 : 0));
+  const float f = m - 1.0f;  // exact
+  const float z = f * f;
+  float p = 7.0376836292e-2f;
+  p = p * f - 1.1514610310e-1f;
+  p = p * f + 1.1676998740e-1f;
+  p = p * f - 1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f;
+  p = p * f - 1.6668057665e-1f;
+  p = p * f + 2.0000714765e-1f;
+  p = p * f - 2.4999993993e-1f;
+  p = p * f + 3.3333331174e-1f;
+  float y = p * f * z;
+  y = y + e * -2.12194440e-4f;  // ln 2 = 0.693359375 - 2.12194440e-4, the first part exact in e
+  y = y - 0.5f * z;
+  return (f + y) + e * 0.693359375f;
+}
+
+// sin x and cos x for x in [0, 2 pi]: x = k pi/2 + r with |r| <= pi/4 (pi/2 in three parts, so r
+// is exact to float32 for k <= 4), then the quadrant's sign and swap.
+void sincos_angle(float x, float& sin_x, float& cos_x) {
+  const int k = static_cast<int>(x * 0.636619772f + 0.5f);
+  const float kf = static_cast<float>(k);
+  const float r = ((x - kf * 1.5703125f) - kf * 4.837512969970703125e-4f) - kf * 7.54978995489188216e-8f;
+  const float z = r * r;
+  float sp = -1.9515295891e-4f;
+  sp = sp * z + 8.3321608736e-3f;
+  sp = sp * z - 1.6666654611e-1f;
+  const float s = sp * z * r + r;
+  float cp = 2.443315711809948e-5f;
+  cp = cp * z - 1.388731625493765e-3f;
+  cp = cp * z + 4.166664568298827e-2f;
+  const float c = (cp * z * z - 0.5f * z) + 1.0f;
+  const bool swap = k & 1;
+  const float s_swapped = swap ? c : s;
+  const float c_swapped = swap ? s : c;
+  sin_x = (k & 2) ? -s_swapped : s_swapped;
+  cos_x = ((k + 1) & 2) ? -c_swapped : c_swapped;
+}
+
+// Words of calls q0 .. q0 + n - 1 of one stream, word lane l of call c in words[l][c].
+void philox_block(const TangentStream& stream, uint64_t q0, int n, uint32_t (&words)[4][kBlockCalls]) {
+  for (int c = 0; c < n; ++c) {
+    const PhiloxWords w = stream.words(q0 + static_cast<uint64_t>(c));
+    words[0][c] = w.w[0];
+    words[1][c] = w.w[1];
+    words[2][c] = w.w[2];
+    words[3][c] = w.w[3];
+  }
+}
+
+// u for the 4 n elements of those calls, in stream order (DESIGN.md's mapping).
+template <Source kSource>
+void tangent_block(const uint32_t (&words)[4][kBlockCalls], int n, float* u) {
+  if constexpr (kSource == Source::kRademacher) {
+    for (int c = 0; c < n; ++c) {
+      for (int lane = 0; lane < 4; ++lane) u[4 * c + lane] = rademacher(words[lane][c]);
+    }
+  } else {
+    float radius[2][kBlockCalls], sin_a[2][kBlockCalls], cos_a[2][kBlockCalls];
+    for (int pair = 0; pair < 2; ++pair) {
+      for (int c = 0; c < n; ++c) {
+        radius[pair][c] = std::sqrt(-2.0f * log_unit(uniform_from_word(words[2 * pair][c])));
+        sincos_angle(philox_detail::kTwoPi * uniform_from_word(words[2 * pair + 1][c]), sin_a[pair][c],
+                     cos_a[pair][c]);
+      }
+    }
+    for (int c = 0; c < n; ++c) {
+      u[4 * c] = radius[0][c] * cos_a[0][c];
+      u[4 * c + 1] = radius[0][c] * sin_a[0][c];
+      u[4 * c + 2] = radius[1][c] * cos_a[1][c];
+      u[4 * c + 3] = radius[1][c] * sin_a[1][c];
     }
   }
+}
+
+// ---- The step -------------------------------------------------------------------------------
+
+// |x| as an unsigned integer: ordered like |x| among numbers and above +inf for every NaN, so one
+// integer max (which vectorises, unlike a float max with NaN rules) finds the largest |d| and
+// notices any NaN.
+template <typename T>
+struct AbsBits;
+
+template <>
+struct AbsBits<float> {
+  using type = uint32_t;
+  static constexpr type kInf = 0x7f800000u;
+  static type of(float x) { return bits_of_float(x) & 0x7fffffffu; }
+  static float value(type bits) { return float_of_bits(bits); }
+};
+
+template <>
+struct AbsBits<double> {
+  using type = uint64_t;
+  static constexpr type kInf = 0x7ff0000000000000ull;
+  static type of(double x) {
+    uint64_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bits & 0x7fffffffffffffffull;
+  }
+  static double value(type bits) {
+    double x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+  }
+};
+
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename scalar_t>
+struct StepArgs {
+  using acc_t = acc_type<scalar_t>;
+  at::TensorList params, momentum, grads;
+  c10::IntArrayRef offsets;
+  std::vector<TangentStream> streams;
+  std::vector<acc_t> coeffs;
+  acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, 1 - alpha
+};
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc_type<scalar_t>>& part) {
+  using acc_t = acc_type<scalar_t>;
+  scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
+  acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
+  const scalar_t* const grad =
+      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
+  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
+
+  alignas(64) acc_t g[4 * kBlockCalls];  // the direction estimate, from the block's first call on
+  alignas(64) acc_t d_block[kBlock];
+  alignas(64) acc_t theta_old[kBlock];
+  alignas(64) float u[4 * kBlockCalls];
+  alignas(64) uint32_t words[4][kBlockCalls];
+  double dot[kLanes] = {};
+
+  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+    // g_at[e] is the direction at element begin + e.
+    const acc_t* g_at = g;
+    if constexpr (kSource == Source::kGrad) {
+      for (int e = 0; e < n; ++e) g[e] = static_cast<acc_t>(grad[begin + e]);
+    } else {
+      const uint64_t first = offset + static_cast<uint64_t>(begin);
+      const int lead = static_cast<int>(first % 4);
+      const int calls = (lead + n + 3) / 4;
+      for (size_t k = 0; k < args.streams.size(); ++k) {
+        philox_block(args.streams[k], first / 4, calls, words);
+        tangent_block<kSource>(words, calls, u);
+        const acc_t coeff = args.coeffs[k];
+        // g = sum_k coeff_k u_k, accumulated in k order
+        if (k == 0) {
+          for (int e = 0; e < 4 * calls; ++e) g[e] = coeff * static_cast<acc_t>(u[e]);
+        } else {
+          for (int e = 0; e < 4 * calls; ++e) g[e] = g[e] + coeff * static_cast<acc_t>(u[e]);
+        }
+      }
+      g_at = g + lead;
+    }
+
+    scalar_t* const theta_b = theta + begin;
+    for (int e = 0; e < n; ++e) {
+      acc_t d = g_at[e];
+      if constexpr (kMomentum) {
+        d = args.keep_v * v[begin + e] + args.gamma * d;
+        v[begin + e] = d;
+      }
+      d_block[e] = d;
+      const acc_t old = static_cast<acc_t>(theta_b[e]);
+      theta_old[e] = old;
+      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old);
+    }
+
+    // The block's dot product in kLanes running sums, and its largest |d| as an integer.
+    int e = 0;
+    for (; e + kLanes <= n; e += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        dot[l] += static_cast<double>(d_block[e + l]) * static_cast<double>(theta_old[e + l]);
+      }
+    }
+    for (; e < n; ++e) dot[0] += static_cast<double>(d_block[e]) * static_cast<double>(theta_old[e]);
+    using bits_t = typename AbsBits<acc_t>::type;
+    bits_t top = 0;
+    for (int i = 0; i < n; ++i) {
+      const bits_t a = AbsBits<acc_t>::of(d_block[i]);
+      top = a > top ? a : top;
+    }
+    const bool block_nan = top > AbsBits<acc_t>::kInf;
+    // The first element holding the block's best, if it beats the best of the earlier blocks.
+    if (beats(block_nan ? std::numeric_limits<acc_t>::quiet_NaN() : AbsBits<acc_t>::value(top), part.best_abs)) {
+      for (int i = 0; i < n; ++i) {
+        const bits_t a = AbsBits<acc_t>::of(d_block[i]);
+        if (block_nan ? a > AbsBits<acc_t>::kInf : a == top) {
+          part.best_abs = std::abs(d_block[i]);
+          part.best_index = begin + i;
+          part.best_d = d_block[i];
+          break;
+        }
+      }
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) part.dot += dot[l];
+}
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
+                       const double* schedule, double* gap) {
+  using acc_t = acc_type<scalar_t>;
+  const at::TensorList params = args.params;
+  const size_t n = params.size();
+  const acc_t alpha = static_cast<acc_t>(schedule[1]);
 
   std::vector<Segment> segments;
   int64_t total = 0;
@@ -95,55 +326,8 @@ void l1_fw_step_kernel(at::TensorList params, at::TensorList momentum, at::Tenso
   }
   std::vector<Partial<acc_t>> partials(segments.size());
 
-  auto run_segment = [&](const Segment& seg, Partial<acc_t>& part) {
-    scalar_t* theta = params[seg.tensor].data_ptr<scalar_t>();
-    acc_t* v = momentum.empty() ? nullptr : momentum[seg.tensor].data_ptr<acc_t>();
-    // Element j with direction estimate g: d = g or the updated momentum, then theta's scaling.
-    auto update = [&](int64_t j, acc_t g) {
-      acc_t d = g;
-      if (v) {
-        d = one_minus_gamma * v[j] + gamma * g;
-        v[j] = d;
-      }
-      const acc_t theta_old = static_cast<acc_t>(theta[j]);
-      part.dot += static_cast<double>(d) * static_cast<double>(theta_old);
-      theta[j] = static_cast<scalar_t>(one_minus_alpha * theta_old);
-      const acc_t abs_d = std::abs(d);
-      if (beats(abs_d, part.best_abs)) {
-        part.best_abs = abs_d;
-        part.best_index = j;
-        part.best_d = d;
-      }
-    };
-
-    if (!forward_gradient) {
-      const scalar_t* grad = grads[seg.tensor].data_ptr<scalar_t>();
-      for (int64_t j = seg.begin; j < seg.end; ++j) update(j, static_cast<acc_t>(grad[j]));
-      return;
-    }
-    // g = sum_k coeff_k u_k, accumulated in k order; one Philox call per tangent serves the
-    // (up to) four elements of the call that lie in this segment.
-    const uint64_t offset = static_cast<uint64_t>(offsets[seg.tensor]);
-    for (int64_t j = seg.begin; j < seg.end;) {
-      const uint64_t i = offset + static_cast<uint64_t>(j);
-      const int first_lane = static_cast<int>(i % 4);
-      const int lanes = static_cast<int>(std::min<int64_t>(4 - first_lane, seg.end - j));
-      acc_t g[4];
-      for (size_t k = 0; k < streams.size(); ++k) {
-        float u[4];
-        streams[k].values(i / 4, distribution, u);
-        for (int lane = first_lane; lane < first_lane + lanes; ++lane) {
-          const acc_t term = coeffs[k] * static_cast<acc_t>(u[lane]);
-          g[lane] = k == 0 ? term : g[lane] + term;
-        }
-      }
-      for (int l = 0; l < lanes; ++l) update(j + l, g[first_lane + l]);
-      j += lanes;
-    }
-  };
-
   auto run_segments = [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) run_segment(segments[s], partials[s]);
+    for (int64_t s = begin; s < end; ++s) run_segment<scalar_t, kSource, kMomentum>(args, segments[s], partials[s]);
   };
   const int64_t num_segments = static_cast<int64_t>(segments.size());
   if (total < kParallelMin) {
@@ -198,12 +382,39 @@ void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
     *gap_out = 0;
     return;
   }
-  const bool forward_gradient = grads.empty();
-  const double* coeffs = forward_gradient ? tangent_coeffs.data_ptr<double>() : nullptr;
-  const int64_t num_tangents = forward_gradient ? tangent_coeffs.numel() : 0;
+  const double* sched = schedule.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "l1_fw_step_cpu", [&] {
-    l1_fw_step_kernel<scalar_t>(params, momentum, grads, schedule.data_ptr<double>(), coeffs, num_tangents, radii,
-                                global_ball, offsets, seed, distribution, gap_out);
+    using acc_t = acc_type<scalar_t>;
+    StepArgs<scalar_t> args{params, momentum, grads, offsets, {}, {}, 0, 0, 0};
+    args.gamma = static_cast<acc_t>(sched[2]);
+    args.keep_v = acc_t(1) - args.gamma;
+    args.keep_theta = acc_t(1) - static_cast<acc_t>(sched[1]);
+    if (grads.empty()) {
+      const int64_t step = static_cast<int64_t>(sched[0]);
+      const double* coeffs = tangent_coeffs.data_ptr<double>();
+      for (int64_t k = 0; k < tangent_coeffs.numel(); ++k) {
+        args.streams.emplace_back(seed, step, k);
+        args.coeffs.push_back(static_cast<acc_t>(coeffs[k]));
+      }
+    }
+    auto run = [&](auto source, auto with_momentum) {
+      l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(args, radii, global_ball,
+                                                                                          sched, gap_out);
+    };
+    auto run_source = [&](auto with_momentum) {
+      if (!grads.empty()) {
+        run(std::integral_constant<Source, Source::kGrad>{}, with_momentum);
+      } else if (distribution == kRademacher) {
+        run(std::integral_constant<Source, Source::kRademacher>{}, with_momentum);
+      } else {
+        run(std::integral_constant<Source, Source::kGaussian>{}, with_momentum);
+      }
+    };
+    if (momentum.empty()) {
+      run_source(std::false_type{});
+    } else {
+      run_source(std::true_type{});
+    }
   });
 }
 

@@ -1,0 +1,346 @@
+"""Kernel benchmark: the fused L1-ball Frank-Wolfe step against eager PyTorch, torch.compile and a copy.
+
+For each size (and a many-small-tensors case built from a realistic model's shapes) it times one
+optimizer step on one (device, dtype) group:
+
+* ``fused``   - fgfw's compiled kernel (``cuda`` on a GPU, ``cpu`` on the CPU): u regenerated in
+                registers from the Philox stream, one pass over theta (and v).
+* ``triton``  - fgfw's Triton kernel (opt-in: ``--backends ...,triton``).
+* ``eager``   - the same step written as plain per-tensor torch ops, the way a user would write it.
+                torch has no eager way to draw fgfw's tangent stream, so the eager step draws its
+                tangents with ``torch.randn`` each step (generated, written and read back: the cost a
+                user pays). Its LMO is torch.argmax per tensor, its gap a float32 torch.dot.
+* ``compile`` - ``torch.compile`` of that eager step (Inductor fuses the randn into its kernels).
+* ``copy``    - the roofline: a device-to-device copy of the bytes the step must move (theta and v:
+                16 bytes per float32 parameter for AFGFW, theta only: 8 bytes for FGFW), measured in
+                the same run.
+
+Reported per row: time per step (median and best of the repeats), effective bandwidth (bytes per
+parameter x parameters / median time), the fraction of the copy's bandwidth, and speed-ups (of
+medians) over eager and compile. Writes a CSV and a PNG (bandwidth vs size) and prints a Markdown
+table.
+
+  python bench/kernel_bench.py                           # GPU if there is one, else the CPU
+  python bench/kernel_bench.py --device cpu --sizes 1e4 1e5 1e6 1e7
+  python bench/kernel_bench.py --backends fused,triton,eager,compile,copy
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fgfw
+from fgfw import _ops
+
+HERE = Path(__file__).resolve().parent
+MODES = {"afgfw": True, "fgfw": False}  # mode -> with momentum
+ALL_BACKENDS = ("fused", "triton", "eager", "compile", "copy")
+
+
+def model_shapes(width: int, layers: int = 16, vocab: int = 32_000, context: int = 1024) -> list[tuple[int, ...]]:
+    """200 parameter shapes of a GPT-style transformer: embeddings, 16 blocks of 12 tensors, final norm,
+    pooler and head."""
+    shapes = [(vocab, width), (context, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (3 * width, width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (4 * width, width), (4 * width,), (width, 4 * width), (width,)]
+    return shapes + [(width,), (width,), (width, width), (width,), (vocab, width), (vocab,)]
+
+
+class Group:
+    """One (device, float32) parameter group with its momentum and the op's per-step arguments."""
+
+    def __init__(self, shapes, device, momentum: bool, tangents: int):
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.params = [0.01 * torch.randn(s, device=device, generator=gen) for s in shapes]
+        self.moms = [torch.zeros(s, device=device) for s in shapes] if momentum else []
+        self.numel = sum(p.numel() for p in self.params)
+        self.offsets, start = [], 0
+        for p in self.params:
+            self.offsets.append(start)
+            start += p.numel()
+        # alpha is small so that hundreds of timed steps keep the parameters far from denormals
+        self.schedule = torch.tensor([1.0, 1e-3, 0.1], dtype=torch.float64, device=device)
+        self.coeffs = torch.linspace(0.5, -0.5, tangents, dtype=torch.float64, device=device)
+        self.radii = [1.0] * len(self.params)
+        self.gap = torch.zeros((), dtype=torch.float64, device=device)
+
+
+def fused_step(group: Group, backend: str):
+    def step():
+        _ops.l1_fw_step_(group.params, group.moms, [], group.schedule, group.coeffs, group.radii, False,
+                         group.offsets, 0, fgfw.reference.GAUSSIAN, group.gap, backend=backend)
+    return step
+
+
+def eager_step(params, moms, coeffs: list[float], radii: list[float], alpha: float, gamma: float):
+    """The AFGFW (moms given) or FGFW step in per-tensor torch ops; returns the Frank-Wolfe gap."""
+    gap = params[0].new_zeros(())
+    for t, (p, r) in enumerate(zip(params, radii)):
+        g = None
+        for c in coeffs:
+            term = c * torch.randn_like(p)
+            g = term if g is None else g + term
+        if moms:
+            d = moms[t].mul_(1 - gamma).add_(g, alpha=gamma)
+        else:
+            d = g
+        flat_d, flat_p = d.view(-1), p.view(-1)
+        i = torch.argmax(flat_d.abs())
+        d_i = flat_d[i]
+        gap = gap + torch.dot(flat_d, flat_p) + r * d_i.abs()
+        p.mul_(1 - alpha)
+        flat_p[i] += alpha * (-r * torch.sign(d_i))
+    return gap
+
+
+def torch_step(group: Group, compiled: bool):
+    coeffs = group.coeffs.tolist()
+    _, alpha, gamma = group.schedule.tolist()
+    fn = torch.compile(eager_step) if compiled else eager_step
+
+    def step():
+        fn(group.params, group.moms, coeffs, group.radii, alpha, gamma)
+    return step
+
+
+def copy_step(group: Group, momentum: bool):
+    # the bytes the step must move: theta (and v) read once and written once
+    src = torch.empty(group.numel * (2 if momentum else 1), device=group.params[0].device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def time_gpu(step, min_time: float, warmup: int) -> list[float]:
+    """Seconds per call (CUDA events) over repeats of at least min_time seconds in total."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    repeats = max(5, min(1000, int(min_time / max(time.perf_counter() - start, 1e-6))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for begin, end in events:
+        begin.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [begin.elapsed_time(end) / 1e3 for begin, end in events]
+
+
+def time_cpu(steps: dict, min_time: float, warmup: int) -> dict[str, list[float]]:
+    """Seconds per call of every step, timed round-robin (one call of each in turn) so that the load
+    of a shared machine falls on all of them alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    start = time.perf_counter()
+    for step in steps.values():
+        step()
+    repeats = max(5, min(1000, int(min_time / max(time.perf_counter() - start, 1e-6))))
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            begin = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def fits(numel: int, device: str, momentum: bool, backends) -> bool:
+    """Whether a group of numel float32 parameters and the baselines' temporaries fit in memory."""
+    state = 4 * (2 if momentum else 1)
+    # the CPU times every backend's group side by side, the GPU one at a time
+    groups = len(backends) if device == "cpu" else 1
+    # eager/compile temporaries (randn, g, |d|) and the copy's two buffers
+    temporaries = 4 * 3 * any(b in backends for b in ("eager", "compile")) + 2 * state * ("copy" in backends)
+    need = numel * (state * groups + temporaries)
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return need < 0.85 * free
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return True
+    return need < 0.7 * available
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{os.cpu_count()}-core CPU ({torch.get_num_threads()} threads)" + \
+        ("" if torch.cuda.is_available() else ", no GPU")
+
+
+def make_step(backend: str, group: Group, device: str, momentum: bool):
+    if backend == "fused":
+        return fused_step(group, "cuda" if device == "cuda" else "cpu")
+    if backend == "triton":
+        return fused_step(group, "triton")
+    if backend in ("eager", "compile"):
+        return torch_step(group, compiled=backend == "compile")
+    return copy_step(group, momentum)
+
+
+def run_case(name, shapes, device, mode, backends, tangents, min_time, warmup):
+    momentum = MODES[mode]
+    bytes_per_param = 16 if momentum else 8
+    numel = sum(math.prod(s) for s in shapes)
+    # compile's first calls compile (and may recompile once): keep them out of the timing
+    warmup = max(warmup, 3) if "compile" in backends else warmup
+    if device == "cuda":
+        # one backend at a time: the largest sizes fit only alone
+        times = {}
+        for backend in backends:
+            times[backend] = time_gpu(make_step(backend, Group(shapes, device, momentum, tangents), device, momentum),
+                                      min_time, warmup)
+            torch.cuda.empty_cache()
+    else:
+        steps = {b: make_step(b, Group(shapes, device, momentum, tangents), device, momentum) for b in backends}
+        times = time_cpu(steps, min_time, warmup)
+    rows = {}
+    for backend, samples in times.items():
+        seconds = statistics.median(samples)
+        rows[backend] = dict(case=name, device=device, mode=mode, tangents=tangents, numel=numel,
+                             tensors=len(shapes), bytes_per_param=bytes_per_param, backend=backend,
+                             time_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
+                             gbps=numel * bytes_per_param / seconds / 1e9)
+    for row in rows.values():
+        row["frac_copy"] = row["gbps"] / rows["copy"]["gbps"] if "copy" in rows else math.nan
+        for base in ("eager", "compile"):
+            row[f"speedup_vs_{base}"] = rows[base]["time_ms"] / row["time_ms"] if base in rows else math.nan
+    return list(rows.values())
+
+
+def markdown(rows) -> str:
+    lines = ["| case | mode | params | tensors | backend | median (ms) | best (ms) | GB/s | of copy | vs eager | "
+             "vs compile |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        def num(x, fmt):
+            return "" if isinstance(x, float) and math.isnan(x) else format(x, fmt)
+        lines.append(f"| {r['case']} | {r['mode']} | {r['numel']:.3g} | {r['tensors']} | {r['backend']} | "
+                     f"{num(r['time_ms'], '.4g')} | {num(r['best_ms'], '.4g')} | {num(r['gbps'], '.1f')} | "
+                     f"{num(r['frac_copy'], '.0%')} | "
+                     f"{num(r['speedup_vs_eager'], '.2f')} | {num(r['speedup_vs_compile'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for backend in ALL_BACKENDS:
+            pts = sorted((r["numel"], r["gbps"]) for r in rows
+                         if r["mode"] == mode and r["backend"] == backend and r["case"] == "single")
+            many = [(r["numel"], r["gbps"]) for r in rows
+                    if r["mode"] == mode and r["backend"] == backend and r["case"] != "single"]
+            color = None
+            if pts:
+                (line,) = ax.plot(*zip(*pts), marker="o", label=backend, linestyle="--" if backend == "copy" else "-")
+                color = line.get_color()
+            if many:
+                ax.scatter(*zip(*many), marker="*", s=120, color=color, label=None if pts else backend)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(f"effective GB/s ({16 if MODES[mode] else 8} B/param)")
+        models = {r["tensors"] for r in rows if r["case"] != "single"}
+        ax.set_title(f"{mode.upper()} step" + (f" (star: {models.pop()}-tensor model)" if models else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", nargs="+", type=float, default=None,
+                        help="parameter counts of the single-tensor cases (default: 1e4 .. 1e9 on a GPU as "
+                             "memory allows, 1e4 .. 1e7 on the CPU)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--backends", default=None,
+                        help=f"comma-separated subset of {','.join(ALL_BACKENDS)} (default: fused,eager,compile,copy "
+                             "on a GPU; fused,eager,copy on the CPU)")
+    parser.add_argument("--tangents", type=int, default=1, help="tangents per step (K), default 1")
+    parser.add_argument("--model-width", type=int, default=None,
+                        help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
+    parser.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="CSV path (default bench/figures/kernel_<device>.csv, next to the PNG)")
+    parser.add_argument("--figure", type=Path, default=None,
+                        help="PNG path (default bench/figures/kernel_<device>.png)")
+    args = parser.parse_args(argv)
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backends = (args.backends or ("fused,eager,compile,copy" if device == "cuda" else "fused,eager,copy")).split(",")
+    unknown = set(backends) - set(ALL_BACKENDS)
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}; choose from {ALL_BACKENDS}")
+    fused_backend = {"fused": "cuda" if device == "cuda" else "cpu", "triton": "triton"}
+    for b in backends:
+        if b in fused_backend and not _ops.backend_available(fused_backend[b], torch.device(device)):
+            parser.error(f"backend {b} ({fused_backend[b]}) is not available on {device}: "
+                         f"{_ops.available_backends(device)}")
+    sizes = [int(s) for s in (args.sizes or ([1e4, 1e5, 1e6, 1e7, 1e8, 1e9] if device == "cuda" else
+                                             [1e4, 1e5, 1e6, 1e7]))]
+    width = args.model_width if args.model_width is not None else (768 if device == "cuda" else 128)
+    min_time = args.min_time or (0.5 if device == "cuda" else 1.0)
+
+    cases = [("single", [(n,)]) for n in sizes]
+    if width:
+        cases.append((f"model-{len(model_shapes(width))}", model_shapes(width)))
+    title = f"fgfw l1_fw_step_ on {machine(device)}, K={args.tangents}"
+    print(f"# {title}; torch {torch.__version__}; eager/compile tangents: torch.randn per step", file=sys.stderr)
+
+    rows = []
+    for mode in args.modes:
+        for name, shapes in cases:
+            numel = sum(math.prod(s) for s in shapes)
+            if not fits(numel, device, MODES[mode], backends):
+                print(f"skip {name} {mode} {numel:.3g} params: not enough memory", file=sys.stderr)
+                continue
+            case_rows = run_case(name, shapes, device, mode, backends, args.tangents, min_time, args.warmup)
+            for r in case_rows:
+                print(f"{r['case']:>10} {mode:>6} {r['numel']:>11.3g} {r['backend']:>8} {r['time_ms']:10.4f} ms "
+                      f"{r['gbps']:8.1f} GB/s  copy {r['frac_copy']:5.0%}  x eager {r['speedup_vs_eager']:6.2f}",
+                      file=sys.stderr)
+            rows += case_rows
+
+    out = args.out or HERE / "figures" / f"kernel_{device}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    figure = args.figure or HERE / "figures" / f"kernel_{device}.png"
+    plot(rows, figure, title)
+    print(f"\n{title}\n\n{markdown(rows)}\n\nCSV: {out}\nPNG: {figure}")
+
+
+if __name__ == "__main__":
+    main()
