@@ -294,3 +294,15 @@ def test_step_rejects_mixed_dtypes_wrong_momentum_and_missing_offsets():
     # the forward gradient needs one stream offset per tensor, as in the reference
     with pytest.raises(ValueError, match="offsets"):
         fgfw_triton.l1_fw_step_(params, [], [], schedule, coeffs, [1.0], False, [], 0, GAUSSIAN, gap)
+
+
+@pytest.mark.parametrize("radius", [0.0, -1.0, float("inf"), float("nan")])
+def test_step_rejects_radii_that_are_not_positive_and_finite(radius):
+    schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
+    params = [torch.ones(3, device=DEVICE)]
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"radii\[0\]"):
+        fgfw_triton.l1_fw_step_(params, [], [torch.ones(3, device=DEVICE)], schedule,
+                                torch.zeros(0, dtype=torch.float64, device=DEVICE), [radius], False, [0], 0, GAUSSIAN,
+                                gap)
+    assert torch.equal(params[0], torch.ones(3, device=DEVICE))

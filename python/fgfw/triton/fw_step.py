@@ -25,6 +25,7 @@ same table on CPU tensors, whose raw addresses are valid on the host.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -271,6 +272,9 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
     if len(radii) < wanted:
         raise ValueError(f"radii must hold {'one radius (global ball)' if global_ball else 'one radius per parameter'}"
                          f" ({wanted}), got {len(radii)}")
+    for t, r in enumerate(radii):
+        if not math.isfinite(r) or r <= 0:  # as the C++ kernels: every backend rejects the same inputs
+            raise ValueError(f"radii[{t}] must be a finite radius > 0, got {r}")
 
 
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
