@@ -3,6 +3,7 @@ fill_tangent_ kernels (CPU, CUDA) against fgfw.reference on the same arguments.
 
 Rademacher tangents (one bit of each Philox word) must agree bit for bit, which checks the C++
 Philox on every element; Gaussian tangents within a tight tolerance (log/sin/cos differ by an ulp).
+Within one backend, fill_tangent_ (the JVP's u) and l1_fw_step_ (the update's u) agree bit for bit.
 """
 import math
 
@@ -153,6 +154,29 @@ def test_cpu_offsets_compose_bit_exactly(fgfw_ops):
     whole = _fill(fgfw_ops, 4097, 8, 3, 2, 1, GAUSSIAN)
     parts = torch.cat([_fill(fgfw_ops, 5, 8, 3, 2, 1, GAUSSIAN), _fill(fgfw_ops, 4092, 8, 3, 2, 6, GAUSSIAN)])
     assert torch.equal(whole, parts)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tangent_id", [0, 1])
+def test_cpu_fill_equals_the_tangent_l1_fw_step_regenerates(fgfw_ops, tangent_id, dtype, distribution):
+    """The JVP's u (fill_tangent_) and the update's u (l1_fw_step_) are one stream, bit for bit.
+
+    With v = 0, gamma = 1 and coefficient 1 on tangent `tangent_id` (0 on any before it), the step
+    sets v = 0 * 0 + 1 * (0 * u_0 + 1 * u_id) = u_id exactly; alpha = 0 leaves theta alone.
+    """
+    seed, step = 2**40 + 9, 17
+    cases = [(numel, offset) for numel in (1, 5, 4097, 100_003) for offset in (0, 3, 8, 2**33 + 1)]
+    params = [torch.randn(numel, dtype=dtype) for numel, _ in cases]
+    momentum = [torch.zeros(numel, dtype=dtype) for numel, _ in cases]
+    coeffs = torch.zeros(tangent_id + 1, dtype=torch.float64)
+    coeffs[tangent_id] = 1.0
+    schedule = torch.tensor([step, 0.0, 1.0], dtype=torch.float64)
+    fgfw_ops.l1_fw_step_(params, momentum, [], schedule, coeffs, [1.0] * len(cases), False,
+                         [offset for _, offset in cases], seed, distribution, torch.zeros((), dtype=torch.float64))
+    for v, (numel, offset) in zip(momentum, cases):
+        assert torch.equal(v, _fill(fgfw_ops, numel, seed, step, tangent_id, offset, distribution, dtype=dtype)), \
+            (numel, offset)
 
 
 def test_cpu_independent_of_thread_count(fgfw_ops):

@@ -5,9 +5,10 @@
 //
 // Speed: the pass runs in blocks of kBlock elements through small loops the compiler vectorises
 // (no per-element branch on dtype, direction source or momentum: they are template parameters):
-// Philox words for the block's calls, tangent values, the direction, the update, then the block's
-// max |d| and dot product in eight lanes. Only a block whose max beats the best so far is scanned
-// again for the first index of that max.
+// Philox words for the block's calls, tangent values (tangent_block.h: the values fill_tangent_
+// gives, bit for bit), the direction, the update, then the block's max |d| and dot product in eight
+// lanes. Only a block whose max beats the best so far is scanned again for the first index of that
+// max.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +23,7 @@
 
 #include "op_args.h"
 #include "philox.h"
+#include "tangent_block.h"
 
 namespace fgfw {
 namespace {
@@ -78,106 +80,6 @@ T sign_of(T x) {
   return static_cast<T>((x > T(0)) - (x < T(0)));
 }
 
-// ---- The tangent stream, a block at a time -----------------------------------------------------
-// philox.h's scalar Box-Muller calls libm's logf/sinf/cosf, which do not vectorise and would cost
-// more than the whole rest of the step. These branch-free float32 versions (Cephes' minimax
-// polynomials, within 2 ulp) cover the only arguments Box-Muller produces: u1 in (0, 1) and angles
-// in (0, 2 pi]. The values agree with philox.h's to the Gaussian tolerance every backend is held to.
-
-float float_of_bits(uint32_t bits) {
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-
-uint32_t bits_of_float(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-}
-
-// ln x for normal x in (0, 1]: x = 2^e m with m in [sqrt(1/2), sqrt(2)), ln x = e ln 2 + ln m.
-float log_unit(float x) {
-  const uint32_t bits = bits_of_float(x);
-  const float m_low = float_of_bits((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
-  const bool high = m_low > 1.41421356f;
-  const float m = high ? m_low * 0.5f : m_low;
-  const float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127 + (high ? 1 : 0));
-  const float f = m - 1.0f;  // exact
-  const float z = f * f;
-  float p = 7.0376836292e-2f;
-  p = p * f - 1.1514610310e-1f;
-  p = p * f + 1.1676998740e-1f;
-  p = p * f - 1.2420140846e-1f;
-  p = p * f + 1.4249322787e-1f;
-  p = p * f - 1.6668057665e-1f;
-  p = p * f + 2.0000714765e-1f;
-  p = p * f - 2.4999993993e-1f;
-  p = p * f + 3.3333331174e-1f;
-  float y = p * f * z;
-  y = y + e * -2.12194440e-4f;  // ln 2 = 0.693359375 - 2.12194440e-4, the first part exact in e
-  y = y - 0.5f * z;
-  return (f + y) + e * 0.693359375f;
-}
-
-// sin x and cos x for x in [0, 2 pi]: x = k pi/2 + r with |r| <= pi/4 (pi/2 in three parts, so r
-// is exact to float32 for k <= 4), then the quadrant's sign and swap.
-void sincos_angle(float x, float& sin_x, float& cos_x) {
-  const int k = static_cast<int>(x * 0.636619772f + 0.5f);
-  const float kf = static_cast<float>(k);
-  const float r = ((x - kf * 1.5703125f) - kf * 4.837512969970703125e-4f) - kf * 7.54978995489188216e-8f;
-  const float z = r * r;
-  float sp = -1.9515295891e-4f;
-  sp = sp * z + 8.3321608736e-3f;
-  sp = sp * z - 1.6666654611e-1f;
-  const float s = sp * z * r + r;
-  float cp = 2.443315711809948e-5f;
-  cp = cp * z - 1.388731625493765e-3f;
-  cp = cp * z + 4.166664568298827e-2f;
-  const float c = (cp * z * z - 0.5f * z) + 1.0f;
-  const bool swap = k & 1;
-  const float s_swapped = swap ? c : s;
-  const float c_swapped = swap ? s : c;
-  sin_x = (k & 2) ? -s_swapped : s_swapped;
-  cos_x = ((k + 1) & 2) ? -c_swapped : c_swapped;
-}
-
-// Words of calls q0 .. q0 + n - 1 of one stream, word lane l of call c in words[l][c].
-void philox_block(const TangentStream& stream, uint64_t q0, int n, uint32_t (&words)[4][kBlockCalls]) {
-  for (int c = 0; c < n; ++c) {
-    const PhiloxWords w = stream.words(q0 + static_cast<uint64_t>(c));
-    words[0][c] = w.w[0];
-    words[1][c] = w.w[1];
-    words[2][c] = w.w[2];
-    words[3][c] = w.w[3];
-  }
-}
-
-// u for the 4 n elements of those calls, in stream order (DESIGN.md's mapping).
-template <Source kSource>
-void tangent_block(const uint32_t (&words)[4][kBlockCalls], int n, float* u) {
-  if constexpr (kSource == Source::kRademacher) {
-    for (int c = 0; c < n; ++c) {
-      for (int lane = 0; lane < 4; ++lane) u[4 * c + lane] = rademacher(words[lane][c]);
-    }
-  } else {
-    float radius[2][kBlockCalls], sin_a[2][kBlockCalls], cos_a[2][kBlockCalls];
-    for (int pair = 0; pair < 2; ++pair) {
-      for (int c = 0; c < n; ++c) {
-        radius[pair][c] = std::sqrt(-2.0f * log_unit(uniform_from_word(words[2 * pair][c])));
-        sincos_angle(philox_detail::kTwoPi * uniform_from_word(words[2 * pair + 1][c]), sin_a[pair][c],
-                     cos_a[pair][c]);
-      }
-    }
-    for (int c = 0; c < n; ++c) {
-      u[4 * c] = radius[0][c] * cos_a[0][c];
-      u[4 * c + 1] = radius[0][c] * sin_a[0][c];
-      u[4 * c + 2] = radius[1][c] * cos_a[1][c];
-      u[4 * c + 3] = radius[1][c] * sin_a[1][c];
-    }
-  }
-}
-
 // ---- The step -------------------------------------------------------------------------------
 
 // |x| as an unsigned integer: ordered like |x| among numbers and above +inf for every NaN, so one
@@ -190,8 +92,8 @@ template <>
 struct AbsBits<float> {
   using type = uint32_t;
   static constexpr type kInf = 0x7f800000u;
-  static type of(float x) { return bits_of_float(x) & 0x7fffffffu; }
-  static float value(type bits) { return float_of_bits(bits); }
+  static type of(float x) { return cpu::bits_of_float(x) & 0x7fffffffu; }
+  static float value(type bits) { return cpu::float_of_bits(bits); }
 };
 
 template <>
@@ -250,8 +152,8 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
       const int lead = static_cast<int>(first % 4);
       const int calls = (lead + n + 3) / 4;
       for (size_t k = 0; k < args.streams.size(); ++k) {
-        philox_block(args.streams[k], first / 4, calls, words);
-        tangent_block<kSource>(words, calls, u);
+        cpu::philox_block(args.streams[k], first / 4, calls, words);
+        cpu::tangent_block<kSource == Source::kRademacher ? kRademacher : kGaussian>(words, calls, u);
         const acc_t coeff = args.coeffs[k];
         // g = sum_k coeff_k u_k, accumulated in k order
         if (k == 0) {
