@@ -23,6 +23,7 @@
 
 #include "op_args.h"
 #include "philox.h"
+#include "step_variant.h"
 #include "tangent_block.h"
 
 namespace fgfw {
@@ -41,8 +42,6 @@ constexpr int kBlockCalls = kBlock / 4 + 2;
 // Accumulator lanes of the block reductions (the dot product's summation order depends on them,
 // never on the thread count).
 constexpr int kLanes = 8;
-
-enum class Source { kGaussian, kRademacher, kGrad };
 
 struct Segment {
   size_t tensor;
@@ -303,20 +302,7 @@ void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
       l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(args, radii, global_ball,
                                                                                           sched, gap_out);
     };
-    auto run_source = [&](auto with_momentum) {
-      if (!grads.empty()) {
-        run(std::integral_constant<Source, Source::kGrad>{}, with_momentum);
-      } else if (distribution == kRademacher) {
-        run(std::integral_constant<Source, Source::kRademacher>{}, with_momentum);
-      } else {
-        run(std::integral_constant<Source, Source::kGaussian>{}, with_momentum);
-      }
-    };
-    if (momentum.empty()) {
-      run_source(std::false_type{});
-    } else {
-      run_source(std::true_type{});
-    }
+    dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });
 }
 

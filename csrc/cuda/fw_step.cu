@@ -31,6 +31,7 @@
 #include "cuda/multi_tensor.cuh"
 #include "op_args.h"
 #include "philox.h"
+#include "step_variant.h"
 
 namespace fgfw {
 namespace {
@@ -46,8 +47,6 @@ constexpr int kUnroll = 2;
 
 // The table's lists.
 constexpr int kParamList = 0, kMomentumList = 1, kGradList = 2, kLists = 3;
-
-enum class Source { kGaussian, kRademacher, kGrad };
 
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -464,20 +463,7 @@ void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorL
       launch_step<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
           params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, gap);
     };
-    auto run_source = [&](auto with_momentum) {
-      if (!grads.empty()) {
-        run(std::integral_constant<Source, Source::kGrad>{}, with_momentum);
-      } else if (distribution == kRademacher) {
-        run(std::integral_constant<Source, Source::kRademacher>{}, with_momentum);
-      } else {
-        run(std::integral_constant<Source, Source::kGaussian>{}, with_momentum);
-      }
-    };
-    if (momentum.empty()) {
-      run_source(std::false_type{});
-    } else {
-      run_source(std::true_type{});
-    }
+    dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });
 }
 
