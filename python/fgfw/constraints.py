@@ -14,7 +14,7 @@ import torch
 
 from . import reference
 
-SCOPES = ("tensor", "global")
+SCOPES = ("tensor", "global", "row")
 
 
 def _check_radius(radius, name: str = "radius") -> float:
@@ -32,7 +32,12 @@ class L1Ball:
         radius: the radius r > 0. Leave it out and use :meth:`relative_to_init` for a rule.
         scope: ``"tensor"`` (default): one ball per parameter tensor, each of radius r (a product of balls;
             the paper's "constraint on the parameters in all layers"). ``"global"``: one ball over all
-            parameters of a param group together (one vertex per step for the whole group).
+            parameters of a param group together (one vertex per step for the whole group). ``"row"``:
+            one ball per slice ``p[i]`` along the first dimension of every tensor of two or more
+            dimensions (a neuron's incoming weights, a convolution's output filter), one per tensor
+            for the others (biases): every unit gets a vertex step at every step. Per-tensor balls let
+            the unit with the largest gradient take every step of its layer while the other units shrink
+            towards zero; in a narrow deep ReLU network they die (see bench/RESULTS.md).
 
     Its vertices are ``-r sign(d_i) e_i``: a scaled one-hot, never stored densely by the optimizers.
     """
@@ -69,8 +74,19 @@ class L1Ball:
     def norm(tensors: Sequence[torch.Tensor]) -> float:
         return float(sum(t.detach().double().abs().sum() for t in tensors))
 
-    def resolve_radii(self, params: Sequence[torch.Tensor]) -> list[float]:
-        """The radii the kernels take: one per tensor (scope "tensor") or one for the group ("global")."""
+    @staticmethod
+    def rows(p: torch.Tensor) -> list[torch.Tensor]:
+        """The balls of ``p`` under scope "row": its slices along dim 0 (views), or ``p`` itself below 2-D."""
+        p = p.detach()  # views of the same memory, without autograd history
+        return list(p.unbind(0)) if p.dim() >= 2 else [p]
+
+    def resolve_radii(self, params: Sequence[torch.Tensor]) -> list:
+        """The radii: one per tensor ("tensor"), one for the group ("global"), a list per tensor ("row")."""
+        if self.scope == "row":
+            if self.radius is not None:
+                return [[self.radius] * len(self.rows(p)) for p in params]
+            return [L1Ball(scope="tensor", _relative_scale=self.relative_scale).resolve_radii(self.rows(p))
+                    for p in params]
         if self.radius is not None:
             return [self.radius] if self.global_ball else [self.radius] * len(params)
         groups = [list(params)] if self.global_ball else [[p] for p in params]
@@ -86,6 +102,9 @@ class L1Ball:
 
     def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
         """Rescales an infeasible start into the ball (with a warning); feasible parameters are untouched."""
+        if self.scope == "row":
+            params = [row for p in params for row in self.rows(p)]
+            radii = [r for per_tensor in radii for r in per_tensor]
         groups = [list(params)] if self.global_ball else [[p] for p in params]
         for tensors, r in zip(groups, radii):
             norm = self.norm(tensors)

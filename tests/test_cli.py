@@ -1,0 +1,117 @@
+"""End to end: `fgfw reproduce` and `fgfw demo` on the digits for one epoch, outputs checked for sane values."""
+import csv
+import json
+import math
+
+import pytest
+
+from fgfw import cli
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_reproduce_writes_history_summary_and_curves(tmp_path, capsys):
+    out = tmp_path / "run"
+    cli.main(["reproduce", "--epochs", "1", "--seeds", "0,1", "--methods", "fw,fgfw,afgfw,adam", "--num-tangents", "2",
+              "--threads", "1", "--quiet", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "FW (backprop)" in printed and "AFGFW (Alg. 2)" in printed
+
+    rows = read_csv(out / "history.csv")
+    assert len(rows) == 4 * 2 * 2  # methods x seeds x (epoch 0, epoch 1)
+    assert {r["method"] for r in rows} == {"fw", "fgfw", "afgfw", "adam"}
+    for r in rows:
+        assert 0.0 <= float(r["test_accuracy"]) <= 1.0
+        assert math.isfinite(float(r["train_loss"])) and float(r["train_loss"]) > 0
+        assert 0 <= int(r["zeros"]) <= 1090 and 0.0 <= float(r["zero_fraction"]) <= 1.0
+        assert float(r["peak_memory_mib"]) > 0
+        if r["epoch"] == "1":
+            assert float(r["wall_time_s"]) > 0
+            # the gap estimate exists for the Frank-Wolfe methods only
+            assert (r["fw_gap"] == "") == (r["method"] == "adam")
+    fw_final = [float(r["test_accuracy"]) for r in rows if r["method"] == "fw" and r["epoch"] == "1"]
+
+    report = json.loads((out / "history.json").read_text())
+    assert report["data"] == "digits" and report["seeds"] == [0, 1] and report["parameters"] == 1090
+    assert report["settings"]["afgfw"]["num_tangents"] == 2
+    assert report["settings"]["fw"]["scope"] == "row"
+    summary = {r["method"]: r for r in read_csv(out / "summary.csv")}
+    fw_mean = sum(fw_final) / 2
+    assert float(summary["fw"]["test_accuracy_mean"]) == pytest.approx(fw_mean)
+    assert int(summary["fw"]["seeds"]) == 2
+    assert (out / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_tuned_frank_wolfe_learns_in_one_epoch(tmp_path):
+    cli.main(["reproduce", "--epochs", "1", "--batch-size", "8", "--seeds", "0,1,2", "--methods", "fw", "--threads", "1",
+              "--quiet", "--out", str(tmp_path)])
+    summary = read_csv(tmp_path / "summary.csv")[0]
+    assert float(summary["test_accuracy_mean"]) > 0.3  # chance is 0.1; 0.46 when written
+    assert float(summary["train_loss_mean"]) < 2.2  # the initial loss is about ln(10) = 2.30
+
+
+def test_paper_preset_uses_the_papers_settings(tmp_path):
+    out = tmp_path / "paper"
+    cli.main(["reproduce", "--paper", "--epochs", "1", "--seeds", "3", "--methods", "fw,afgfw", "--threads", "1",
+              "--quiet", "--out", str(out)])
+    settings = json.loads((out / "history.json").read_text())["settings"]
+    assert settings["fw"] == dict(settings["fw"], radius="1e-4", scope="tensor", step_size="2/(k+2)")
+    assert settings["afgfw"] == dict(settings["afgfw"], radius="1e-4", step_size="1/k", averaging_weight="1/sqrt(k)",
+                                     num_tangents=1, tangent="gaussian")
+    # the first step alpha_1 = 1 turns every tensor into one vertex of a ball of radius 1e-4: nearly all zeros
+    final = [r for r in read_csv(out / "history.csv") if r["epoch"] == "1"]
+    assert all(int(r["zeros"]) > 500 for r in final if r["method"] == "afgfw")
+
+
+def test_demo_still_runs(tmp_path):
+    cli.main(["demo", "--epochs", "1", "--out", str(tmp_path)])
+    for method in cli.DEMO_RUNS:
+        rows = read_csv(tmp_path / f"{method}.csv")
+        assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert {r["method"] for r in json.loads((tmp_path / "summary.json").read_text())} == set(cli.DEMO_RUNS)
+
+
+def test_bad_data_path_and_options_are_reported(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["reproduce", "--data", str(tmp_path / "missing"), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["reproduce", "--methods", "fw,lbfgs"])
+    assert "methods must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["reproduce", "--radius", "big", "--epochs", "1", "--seeds", "0", "--methods", "fw", "--quiet",
+                  "--out", str(tmp_path)])
+    assert "radius must be" in capsys.readouterr().err
+
+
+def test_schedule_specs_from_the_command_line():
+    import io
+
+    import torch
+
+    import fgfw
+    from fgfw.experiments import LinearDecay, parse_schedule
+
+    decay = parse_schedule("linear:0.01", 100)
+    assert isinstance(decay, LinearDecay) and repr(decay) == "linear:0.01"
+    assert decay(1) == pytest.approx(0.0099) and decay(50) == pytest.approx(0.005)
+    assert decay(100) == pytest.approx(0.0002) and decay(10_000) == pytest.approx(0.0002)  # the 2 % floor
+    assert parse_schedule("0.002") == 0.002 and parse_schedule("1/sqrt(k)") == "1/sqrt(k)"
+    with pytest.raises(ValueError, match="linear:2"):
+        parse_schedule("linear:2", 100)
+    with pytest.raises(ValueError, match="number of steps"):
+        parse_schedule("linear:0.1")
+    # an optimizer holding the schedule saves and loads (it is an object, not a lambda)
+    theta = torch.nn.Parameter(torch.ones(3))
+    opt = fgfw.FrankWolfe([theta], constraint=fgfw.L1Ball(radius=3.0), step_size=decay)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False)["param_groups"][0]["step_size"](50) == pytest.approx(0.005)
