@@ -70,11 +70,11 @@ def test_paper_preset_uses_the_papers_settings(tmp_path):
 
 def test_demo_still_runs(tmp_path):
     cli.main(["demo", "--epochs", "1", "--out", str(tmp_path)])
-    for method in cli.DEMO_RUNS:
+    for method in cli.DEMO_METHODS:
         rows = read_csv(tmp_path / f"{method}.csv")
         assert [r["epoch"] for r in rows] == ["0", "1"]
     assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
-    assert {r["method"] for r in json.loads((tmp_path / "summary.json").read_text())} == set(cli.DEMO_RUNS)
+    assert {r["method"] for r in json.loads((tmp_path / "summary.json").read_text())} == set(cli.DEMO_METHODS)
 
 
 def test_bad_data_path_and_options_are_reported(tmp_path, capsys):
