@@ -57,3 +57,11 @@ def test_cpu_kernel_trajectory_equals_the_reference(tangent):
     for p, q in zip(params_ref, params_cpu):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9)
     assert gaps_cpu == pytest.approx(gaps_ref, rel=1e-6)
+
+
+def test_import_registers_the_compiled_ops():
+    if not fgfw.HAS_COMPILED_EXTENSION:
+        pytest.skip("the compiled extension fgfw._C is not built")
+    names = set(torch._C._dispatch_get_all_op_names())
+    assert {"fgfw::fill_tangent_", "fgfw::l1_fw_step_"} <= names
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CPU")
