@@ -71,16 +71,23 @@ def small_cnn():
 
 
 def batch(name, size):
-    if name == "transformer":
-        return torch.randn(size, 128, 32), torch.randint(0, 10, (size * 128,))
+    if name.startswith("transformer"):
+        seq = 256 if name == "transformer_4l" else 128
+        return torch.randn(size, seq, 32), torch.randint(0, 10, (size * seq,))
     if name == "cnn":
         return torch.randn(size, 3, 32, 32), torch.randint(0, 10, (size,))
     return torch.randn(size, 784), torch.randint(0, 10, (size,))
 
 
-MODELS = {"paper_net": paper_mlp, "deep_mlp": deep_mlp, "cnn": small_cnn, "transformer": TokenClassifier}
-BATCHES = {"paper_net": (4096, 16384), "deep_mlp": (256, 2048), "cnn": (32, 128), "transformer": (4, 16)}
-QUICK_BATCHES = {"paper_net": (1024,), "deep_mlp": (128,), "cnn": (8,), "transformer": (2,)}
+MODELS = {"paper_net": paper_mlp, "deep_mlp": deep_mlp, "cnn": small_cnn, "transformer": TokenClassifier,
+          # the larger shapes: 16 x 1024 MLP; 4-layer encoder, d = 256, sequence 256
+          "deep_wide_mlp": lambda: deep_mlp(16, 1024),
+          "transformer_4l": lambda: TokenClassifier(dim=256, layers=4)}
+BATCHES = {"paper_net": (4096, 16384), "deep_mlp": (256, 2048), "cnn": (32, 128), "transformer": (4, 16),
+           "deep_wide_mlp": (512, 4096), "transformer_4l": (2, 8)}
+QUICK_BATCHES = {"paper_net": (1024,), "deep_mlp": (128,), "cnn": (8,), "transformer": (2,), "deep_wide_mlp": (128,),
+                 "transformer_4l": (1,)}
+DEFAULT_MODELS = ("paper_net", "deep_mlp", "cnn", "transformer")
 
 
 class TangentSource:
@@ -242,6 +249,9 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="one small batch per model, one repeat")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(DEFAULT_MODELS),
+                        help="models to measure (default: the four small ones; deep_wide_mlp and transformer_4l are "
+                             "the issue's larger shapes, minutes each on a 2-core CPU)")
     parser.add_argument("--out", default=str(HERE / "memory.csv"))
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (on a shared CPU, 1 keeps OpenMP from spinning against others)")
@@ -253,7 +263,7 @@ def main():
     repeats = 1 if args.quick else args.repeats
 
     measurements = []
-    for name in MODELS:
+    for name in args.models:
         for size in batches[name]:
             rows = run_case(name, size, device, repeats)
             measurements += rows
@@ -261,7 +271,7 @@ def main():
                 print(f"{name:12s} B={size:<6d} {r['call']:16s} transient {r['transient_bytes'] / 2**20:9.2f} MiB  "
                       f"peak {r['peak_bytes'] / 2**20:9.2f} MiB  tangents {r['tangent_bytes'] / 2**20:7.3f} MiB  "
                       f"{r['seconds'] * 1e3:9.2f} ms", flush=True)
-    table = [r for name in MODELS for size in batches[name]
+    table = [r for name in args.models for size in batches[name]
              for r in ratios([m for m in measurements if m["model"] == name and m["batch"] == size])]
     out = Path(args.out)
     with open(out, "w", newline="") as f:
@@ -274,7 +284,7 @@ def main():
         writer.writerows(table)
     figures = HERE / "figures"
     figures.mkdir(exist_ok=True)
-    plot(table, figures / "memory_ratios.png", figures / "memory_k.png")
+    plot(table, figures / f"{out.stem}_ratios.png", figures / f"{out.stem}_k.png")
     print(f"\n{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, device {device}")
     print("model        batch  engine       peak/bp  transient/fwd  tangent/layer  time/bp  time/(K lean)")
