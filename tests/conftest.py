@@ -1,6 +1,15 @@
 """Shared fixtures: the compiled ops, or a skip that says why they cannot run here."""
-import pytest
+import os
+
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be chosen before triton is
+# first imported (its standard library is built at import); importing fgfw (torch.library) imports
+# triton, so this is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
