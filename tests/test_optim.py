@@ -336,3 +336,8 @@ def test_tangents_in_one_pass_follow_the_same_trajectory(tangent):
 def test_tangents_in_one_pass_needs_a_batched_engine():
     with pytest.raises(ValueError, match="tangents_in_one_pass"):
         fgfw.AFGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), engine="forward_ad", tangents_in_one_pass=True)
+
+
+def test_fgfw_warns_about_a_single_rademacher_tangent():
+    with pytest.warns(UserWarning, match="first element"):
+        fgfw.FGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), tangent="rademacher")

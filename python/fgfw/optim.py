@@ -7,6 +7,7 @@ param group; the op layer (``fgfw._ops``) picks the backend.
 from __future__ import annotations
 
 import math
+import warnings
 from itertools import chain
 from typing import Callable, Iterable
 
@@ -425,6 +426,10 @@ class FGFW(_ForwardGradientFrankWolfe):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
                          check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass)
+        if tangent == "rademacher" and num_tangents == 1:
+            # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
+            warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
+                          "|g_hat_i| is equal); use tangent='gaussian', num_tangents > 1, or AFGFW", stacklevel=2)
 
 
 class AFGFW(_ForwardGradientFrankWolfe):
