@@ -341,3 +341,19 @@ def test_tangents_in_one_pass_needs_a_batched_engine():
 def test_fgfw_warns_about_a_single_rademacher_tangent():
     with pytest.warns(UserWarning, match="first element"):
         fgfw.FGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), tangent="rademacher")
+
+
+def test_a_param_group_can_bring_its_own_constraint():
+    layer = nn.Linear(3, 2).double()
+    nn.init.zeros_(layer.bias)  # no initial norm to scale: relative_to_init refuses it, naming the way out
+    with pytest.raises(ValueError, match="param group of its own"):
+        fgfw.FrankWolfe(layer.parameters(), constraint=fgfw.L1Ball.relative_to_init(2.0))
+    opt = fgfw.FrankWolfe([{"params": [layer.weight]},
+                           {"params": [layer.bias], "constraint": fgfw.L1Ball(radius=0.5)}],
+                          constraint=fgfw.L1Ball.relative_to_init(2.0))
+    assert opt.param_groups[0]["radii"] == pytest.approx([2.0 * float(layer.weight.abs().sum())])
+    assert opt.param_groups[1]["radii"] == [0.5]
+    layer.weight.grad = torch.ones_like(layer.weight)
+    layer.bias.grad = torch.tensor([1.0, -3.0], dtype=torch.float64)
+    opt.step()  # k = 1, alpha = 2/3: the bias moves to 2/3 of the vertex +0.5 e_1
+    assert torch.allclose(layer.bias.detach(), torch.tensor([0.0, 0.5 * 2 / 3], dtype=torch.float64))

@@ -96,7 +96,9 @@ class L1Ball:
             if not norm > 0 or not math.isfinite(norm):
                 where = "the group's parameters" if self.global_ball else f"parameter {i} (shape {tuple(tensors[0].shape)})"
                 raise ValueError(f"L1Ball.relative_to_init cannot set a radius from {where}: its initial L1 norm is "
-                                 f"{norm}; initialise it to non-zero values or pass an explicit radius")
+                                 f"{norm}; initialise it to non-zero values, or give it a param group of its own "
+                                 f"with an explicit radius, e.g. {{'params': [...], 'constraint': "
+                                 f"fgfw.L1Ball(radius=1.0)}}")
             radii.append(self.relative_scale * norm)
         return radii
 
