@@ -10,60 +10,8 @@ import random
 import pytest
 import torch
 
-from fgfw import reference as ref
-
-GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
-PARAM_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-# Gaussian tangents differ from the reference's by about an ulp of float32 (log/sin/cos), whatever
-# the parameter dtype: momentum (float32, or float64 for float64 params) inherits that relative
-# error, and narrow (bf16/fp16) parameters see u only through the sign at the vertex. One
-# tolerance therefore serves every dtype.
-GAUSSIAN_TOL = dict(atol=1e-6, rtol=1e-5)
-EXACT = dict(atol=0, rtol=0)
-
-
-def flat_offsets(params):
-    """Each tensor's first index in the group's stream: parameter order, then flat index."""
-    offsets, start = [], 0
-    for p in params:
-        offsets.append(start)
-        start += p.numel()
-    return offsets
-
-
-def make_group(shapes, dtype, *, momentum, grads, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    cdt = ref.compute_dtype(dtype)
-    params = [(0.1 * torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype) for s in shapes]
-    moms = [torch.randn(s, generator=gen, dtype=torch.float64).to(cdt) for s in shapes] if momentum else []
-    grad_list = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes] if grads else []
-    return params, moms, grad_list
-
-
-def run_both(ops, params, momentum, grads, *, schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=None,
-             global_ball=False, offsets=None, seed=5, distribution=GAUSSIAN):
-    """Runs the reference, then the kernel, on clones of the same inputs: [(params, momentum, gap)] * 2."""
-    radii = list(radii) if radii is not None else ([2.0] if global_ball else [1.0 + t for t in range(len(params))])
-    offsets = flat_offsets(params) if offsets is None else offsets
-    results = []
-    for step in (ref.l1_fw_step_, ops.l1_fw_step_):
-        p = [x.clone() for x in params]
-        m = [x.clone() for x in momentum]
-        gap = torch.full((), float("nan"), dtype=torch.float64)
-        step(p, m, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64),
-             torch.tensor(coeffs, dtype=torch.float64), radii, global_ball, offsets, seed, distribution, gap)
-        results.append((p, m, gap))
-    return results
-
-
-def assert_same_step(expected, got, tol, gap_rtol=1e-9):
-    (p_ref, m_ref, gap_ref), (p, m, gap) = expected, got
-    for t, (a, b) in enumerate(zip(p, p_ref)):
-        torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda s: f"params[{t}]: {s}")
-    for t, (a, b) in enumerate(zip(m, m_ref)):
-        torch.testing.assert_close(a, b, **tol, equal_nan=True, msg=lambda s: f"momentum[{t}]: {s}")
-    torch.testing.assert_close(gap, gap_ref, atol=1e-12, rtol=gap_rtol, equal_nan=True)
-
+from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step, flat_offsets,
+                          make_group, run_both)
 
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
 

@@ -12,12 +12,15 @@ import torch
 
 from fgfw import reference as ref
 
-GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
-PARAM_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-# As in test_cpu_kernels.py: about an ulp of float32 in the tangent, whatever the parameter dtype.
-GAUSSIAN_TOL = dict(atol=1e-6, rtol=1e-5)
-EXACT = dict(atol=0, rtol=0)
+import kernel_cases
+from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step, flat_offsets,
+                          run_both, run_step)
+
 CUDA = "cuda"
+
+
+def make_group(shapes, dtype, *, device=CUDA, **kwargs):
+    return kernel_cases.make_group(shapes, dtype, device=device, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -26,65 +29,6 @@ def cuda_ops(fgfw_cuda_ops):
     if not torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CUDA"):
         pytest.skip("fgfw._C has no CUDA l1_fw_step_ (built without csrc/cuda/fw_step.cu)")
     return fgfw_cuda_ops
-
-
-def flat_offsets(params):
-    """Each tensor's first index in the group's stream: parameter order, then flat index."""
-    offsets, start = [], 0
-    for p in params:
-        offsets.append(start)
-        start += p.numel()
-    return offsets
-
-
-def make_group(shapes, dtype, *, momentum, grads, seed=0, device=CUDA):
-    gen = torch.Generator().manual_seed(seed)
-    cdt = ref.compute_dtype(dtype)
-
-    def draw(shape, scale, out_dtype):
-        return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(out_dtype).to(device)
-
-    params = [draw(s, 0.1, dtype) for s in shapes]
-    moms = [draw(s, 1.0, cdt) for s in shapes] if momentum else []
-    grad_list = [draw(s, 1.0, dtype) for s in shapes] if grads else []
-    return params, moms, grad_list
-
-
-def clone(x):
-    """A copy of x at the same address alignment (x's storage offset in a fresh allocation)."""
-    offset = x.storage_offset()
-    out = torch.empty(offset + x.numel(), dtype=x.dtype, device=x.device)[offset:].view(x.shape)
-    return out.copy_(x)
-
-
-def run_step(step, params, momentum, grads, *, schedule, coeffs, radii, global_ball, offsets, seed, distribution):
-    """Runs one step on clones of the inputs (on the inputs' device); returns (params, momentum, gap)."""
-    device = params[0].device if params else torch.device(CUDA)
-    p = [clone(x) for x in params]
-    m = [clone(x) for x in momentum]
-    gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
-    step(p, m, [clone(g) for g in grads], torch.tensor(schedule, dtype=torch.float64, device=device),
-         torch.tensor(coeffs, dtype=torch.float64, device=device), radii, global_ball, offsets, seed, distribution, gap)
-    return p, m, gap
-
-
-def run_both(ops, params, momentum, grads, *, schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=None,
-             global_ball=False, offsets=None, seed=5, distribution=GAUSSIAN):
-    """The reference, then the CUDA kernel, on clones of the same CUDA inputs."""
-    kwargs = dict(schedule=schedule, coeffs=coeffs, global_ball=global_ball, seed=seed, distribution=distribution,
-                  radii=list(radii) if radii is not None else ([2.0] if global_ball else
-                                                               [1.0 + t for t in range(len(params))]),
-                  offsets=flat_offsets(params) if offsets is None else offsets)
-    return [run_step(step, params, momentum, grads, **kwargs) for step in (ref.l1_fw_step_, ops.l1_fw_step_)]
-
-
-def assert_same_step(expected, got, tol, gap_rtol=1e-9):
-    (p_ref, m_ref, gap_ref), (p, m, gap) = expected, got
-    for t, (a, b) in enumerate(zip(p, p_ref)):
-        torch.testing.assert_close(a, b.to(a.device), **tol, equal_nan=True, msg=lambda s: f"params[{t}]: {s}")
-    for t, (a, b) in enumerate(zip(m, m_ref)):
-        torch.testing.assert_close(a, b.to(a.device), **tol, equal_nan=True, msg=lambda s: f"momentum[{t}]: {s}")
-    torch.testing.assert_close(gap, gap_ref.to(gap.device), atol=1e-12, rtol=gap_rtol, equal_nan=True)
 
 
 def realistic_shapes(width=64, layers=16):

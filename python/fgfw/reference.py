@@ -19,7 +19,6 @@ counter = (q lo, q hi, step, tangent_id) with q = i // 4 and takes word i % 4.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
