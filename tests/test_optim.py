@@ -351,7 +351,7 @@ def test_a_param_group_can_bring_its_own_constraint():
     opt = fgfw.FrankWolfe([{"params": [layer.weight]},
                            {"params": [layer.bias], "constraint": fgfw.L1Ball(radius=0.5)}],
                           constraint=fgfw.L1Ball.relative_to_init(2.0))
-    assert opt.param_groups[0]["radii"] == pytest.approx([2.0 * float(layer.weight.abs().sum())])
+    assert opt.param_groups[0]["radii"] == pytest.approx([2.0 * float(layer.weight.detach().abs().sum())])
     assert opt.param_groups[1]["radii"] == [0.5]
     layer.weight.grad = torch.ones_like(layer.weight)
     layer.bias.grad = torch.tensor([1.0, -3.0], dtype=torch.float64)
