@@ -71,3 +71,24 @@ def assert_same_step(expected, got, tol, gap_rtol=1e-9):
     for t, (a, b) in enumerate(zip(m, m_ref)):
         torch.testing.assert_close(a, b.to(a.device), **tol, equal_nan=True, msg=lambda s: f"momentum[{t}]: {s}")
     torch.testing.assert_close(gap, gap_ref.to(gap.device), atol=1e-12, rtol=gap_rtol, equal_nan=True)
+
+
+SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
+
+
+def check_forward_gradient(ops, device, dtype, distribution, coeffs, momentum, global_ball):
+    """The forward-gradient step of ``ops`` equals the reference's: Rademacher exactly, Gaussian closely."""
+    params, moms, _ = make_group(SHAPES, dtype, momentum=momentum, grads=False, device=device)
+    expected, got = run_both(ops, params, moms, [], coeffs=coeffs, global_ball=global_ball,
+                             distribution=distribution)
+    if distribution == RADEMACHER:
+        assert_same_step(expected, got, EXACT)
+    else:
+        assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
+
+
+def check_backprop_gradient(ops, device, dtype, momentum, global_ball):
+    """The backprop-gradient step of ``ops`` equals the reference's bit for bit (offsets unused, left empty)."""
+    params, moms, grads = make_group(SHAPES, dtype, momentum=momentum, grads=True, device=device)
+    expected, got = run_both(ops, params, moms, grads, global_ball=global_ball, offsets=[])
+    assert_same_step(expected, got, EXACT)

@@ -10,11 +10,8 @@ import random
 import pytest
 import torch
 
-from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step, flat_offsets,
-                          make_group, run_both)
-
-SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
-
+from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, SHAPES, assert_same_step,
+                          check_backprop_gradient, check_forward_gradient, flat_offsets, make_group, run_both)
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
@@ -22,23 +19,14 @@ SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
 def test_forward_gradient_matches_reference(fgfw_ops, dtype, distribution, coeffs, momentum, global_ball):
-    params, moms, _ = make_group(SHAPES, dtype, momentum=momentum, grads=False)
-    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=coeffs, global_ball=global_ball,
-                             distribution=distribution)
-    if distribution == RADEMACHER:
-        assert_same_step(expected, got, EXACT)
-    else:
-        assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
+    check_forward_gradient(fgfw_ops, "cpu", dtype, distribution, coeffs, momentum, global_ball)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
 def test_backprop_gradient_matches_reference(fgfw_ops, dtype, momentum, global_ball):
-    params, moms, grads = make_group(SHAPES, dtype, momentum=momentum, grads=True)
-    # offsets are unused with grads and may be left empty
-    expected, got = run_both(fgfw_ops, params, moms, grads, global_ball=global_ball, offsets=[])
-    assert_same_step(expected, got, EXACT)
+    check_backprop_gradient(fgfw_ops, "cpu", dtype, momentum, global_ball)
 
 
 def test_step_and_seed_wrap_like_the_reference(fgfw_ops):

@@ -13,8 +13,8 @@ import torch
 from fgfw import reference as ref
 
 import kernel_cases
-from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step, flat_offsets,
-                          run_both, run_step)
+from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step,
+                          check_backprop_gradient, check_forward_gradient, flat_offsets, run_both, run_step)
 
 CUDA = "cuda"
 
@@ -40,31 +40,20 @@ def realistic_shapes(width=64, layers=16):
     return shapes + [(width,), (width,)]
 
 
-SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
-
-
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("coeffs", [(0.7,), (0.7, -1.3, 0.25)])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
 def test_forward_gradient_matches_reference(cuda_ops, dtype, distribution, coeffs, momentum, global_ball):
-    params, moms, _ = make_group(SHAPES, dtype, momentum=momentum, grads=False)
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=coeffs, global_ball=global_ball,
-                             distribution=distribution)
-    if distribution == RADEMACHER:
-        assert_same_step(expected, got, EXACT)
-    else:
-        assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
+    check_forward_gradient(cuda_ops, CUDA, dtype, distribution, coeffs, momentum, global_ball)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
 def test_backprop_gradient_matches_reference(cuda_ops, dtype, momentum, global_ball):
-    params, moms, grads = make_group(SHAPES, dtype, momentum=momentum, grads=True)
-    expected, got = run_both(cuda_ops, params, moms, grads, global_ball=global_ball, offsets=[])
-    assert_same_step(expected, got, EXACT)
+    check_backprop_gradient(cuda_ops, CUDA, dtype, momentum, global_ball)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])

@@ -138,17 +138,21 @@ def test_first_paper_step_is_a_vertex_per_tensor():
         assert float(p.detach().abs().sum()) == pytest.approx(3.0)
 
 
+def train_step(opt, model, x, y):
+    """One step the way each optimizer is used: backward + step, or a forward-gradient closure."""
+    if isinstance(opt, fgfw.FrankWolfe):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    else:
+        opt.step(lambda: F.cross_entropy(model(x), y))
+
+
 def run_steps(make_opt, model, steps):
     opt = make_opt(model)
     dtype = next(model.parameters()).dtype
     for i in range(steps):
-        x, y = batch(seed=100 + i, dtype=dtype)
-        if isinstance(opt, fgfw.FrankWolfe):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        else:
-            opt.step(lambda: F.cross_entropy(model(x), y))
+        train_step(opt, model, *batch(seed=100 + i, dtype=dtype))
     return opt
 
 
@@ -182,13 +186,7 @@ def test_resume_is_bit_identical(name, dtype):
     opt2_state = opt2.state_dict()
     assert opt2_state["fgfw"] == opt.state_dict()["fgfw"]
     for i in range(3, 6):
-        x, y = batch(seed=100 + i, dtype=dtype)
-        if isinstance(opt2, fgfw.FrankWolfe):
-            opt2.zero_grad()
-            F.cross_entropy(resumed(x), y).backward()
-            opt2.step()
-        else:
-            opt2.step(lambda: F.cross_entropy(resumed(x), y))
+        train_step(opt2, resumed, *batch(seed=100 + i, dtype=dtype))
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
 
