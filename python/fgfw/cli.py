@@ -13,6 +13,7 @@ import torch
 
 from .experiments import METHODS, PRESETS, RunConfig, config_from_preset, summarize, train
 from .models import paper_mlp
+from .optim import ESTIMATORS
 
 # The demo trains with the "tuned" preset: the paper's own schedules and radius leave this network at
 # chance (see bench/RESULTS.md and `fgfw reproduce --paper`).
@@ -115,7 +116,8 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\n{'method':<7} {'test acc':>9} {'final loss':>11} {'zeros':>7} {'time':>7}  settings")
     for method, acc, loss, zeros, seconds, settings in table:
         shown = {k: v for k, v in settings.items()
-                 if k in ("radius", "scope", "step_size", "averaging_weight", "momentum", "num_tangents")}
+                 if k in ("radius", "scope", "step_size", "averaging_weight", "momentum", "num_tangents",
+                           "estimator")}
         print(f"{method.upper():<7} {100 * acc:>8.2f}% {loss:>11.4f} {100 * zeros:>6.1f}% {seconds:>6.1f}s  {shown}")
     plot = os.path.join(args.out, "loss_curves.png")
     _plot_curves(plot, summarize(list(histories.values())), "digits, paper MLP shape")
@@ -128,7 +130,9 @@ def demo(args: argparse.Namespace) -> None:
 def _reproduce_configs(args: argparse.Namespace) -> list[RunConfig]:
     """One RunConfig per (method, seed): the preset, with every option given on the command line on top."""
     shared = dict(epochs=args.epochs, batch_size=args.batch_size, radius=args.radius, scope=args.scope,
-                  num_tangents=args.num_tangents, tangent=args.tangent, engine=args.engine, backend=args.backend,
+                  num_tangents=args.num_tangents, tangent=args.tangent, estimator=args.estimator,
+                  tangents_in_one_pass=args.tangents_in_one_pass, engine=args.engine,
+                  backend=args.backend,
                   device=args.device)
     per_method = {
         "fw": dict(step_size=args.fw_step_size, momentum=args.momentum),
@@ -246,15 +250,22 @@ def _add_reproduce_parser(sub) -> None:
                         "tensor)")
     p.add_argument("--fw-step-size", default=None, help="FW alpha_k: a constant, 2/(k+2), 1/k, 1/sqrt(k), or linear:A (A decayed linearly to 2%% of "
                         "A over the run; preset: tuned linear:0.004, paper 2/(k+2))")
-    p.add_argument("--fgfw-step-size", default=None, help="FGFW alpha_k (as --fw-step-size; preset: tuned linear:0.002, paper 2/(k+2))")
-    p.add_argument("--afgfw-step-size", default=None, help="AFGFW alpha_k (as --fw-step-size; preset: tuned linear:0.002, paper 1/k)")
-    p.add_argument("--averaging-weight", default=None, help="AFGFW gamma_k: a constant or 1/sqrt(k) (preset: tuned 0.02, paper 1/sqrt(k))")
+    p.add_argument("--fgfw-step-size", default=None, help="FGFW alpha_k (as --fw-step-size; preset: tuned linear:0.004, paper 2/(k+2))")
+    p.add_argument("--afgfw-step-size", default=None, help="AFGFW alpha_k (as --fw-step-size; preset: tuned linear:0.004, paper 1/k)")
+    p.add_argument("--averaging-weight", default=None, help="AFGFW gamma_k: a constant or 1/sqrt(k) (preset: tuned 0.1, paper 1/sqrt(k))")
     p.add_argument("--momentum", type=float, default=None, help="FW momentum rho (0 = none; preset: tuned 0.9, paper none)")
     p.add_argument("--num-tangents", type=int, default=None, help="forward passes (tangents) per FGFW/AFGFW step (preset: tuned 16, paper 1)")
     p.add_argument("--tangent", choices=("gaussian", "rademacher"), default=None)
+    p.add_argument("--estimator", choices=ESTIMATORS, default=None,
+                   help="FGFW/AFGFW gradient estimate: 'weight' (the paper's: tangents over the parameters) or "
+                        "'activity' (tangents over the linear layers' outputs, fgfw.activity) (preset: tuned "
+                        "activity, paper weight)")
+    p.add_argument("--tangents-in-one-pass", action=argparse.BooleanOptionalAction, default=None,
+                   help="carry the tangents of a step through one forward pass (vmap), or one pass each (preset: "
+                        "tuned yes, paper no; with --estimator weight it needs the lean engine)")
     p.add_argument("--engine", default=None,
-                   help="forward-mode engine of FGFW/AFGFW, a name in fgfw.forward_grad.ENGINES (default: the "
-                        "library's default; forward_ad is the fastest for this tiny network on the CPU)")
+                   help="forward-mode engine of the 'weight' estimator, a name in fgfw.forward_grad.ENGINES (default: "
+                        "the library's default; forward_ad is the fastest for this tiny network on the CPU)")
     p.add_argument("--lr", type=float, default=None, help="Adam / SGD learning rate (no constraint)")
     p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

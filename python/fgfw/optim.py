@@ -14,10 +14,13 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import _ops, forward_grad, reference, schedules
+from . import _ops, activity, forward_grad, reference, schedules
 from .constraints import L1Ball
 
 STATE_KEY = "fgfw"
+# "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
+# of nn.Linear layers (fgfw.activity), far less variance, per-example losses needed.
+ESTIMATORS = ("weight", "activity")
 
 
 def _describe(i: int, p: torch.Tensor) -> str:
@@ -287,7 +290,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
     def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: L1Ball,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
-                 check_finite: bool, tangents_in_one_pass: bool):
+                 check_finite: bool, tangents_in_one_pass: bool, estimator: str):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -295,10 +298,15 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise ValueError(f"tangent must be one of {sorted(reference.DISTRIBUTIONS)}, got {tangent!r}")
         if isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 1:
             raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if estimator == "activity" and engine is not None:
+            raise ValueError(f"engine selects the forward-mode engine of estimator='weight'; estimator='activity' "
+                             f"always runs torch's forward AD (got engine={engine!r})")
         engine = forward_grad.DEFAULT_ENGINE if engine is None else engine
         if engine not in forward_grad.ENGINES:
             raise ValueError(f"engine must be one of {sorted(forward_grad.ENGINES)}, got {engine!r}")
-        if tangents_in_one_pass and not hasattr(forward_grad.ENGINES[engine], "batched"):
+        if tangents_in_one_pass and estimator == "weight" and not hasattr(forward_grad.ENGINES[engine], "batched"):
             raise ValueError(f"tangents_in_one_pass=True needs an engine with a batched form (\"lean\"), got "
                              f"engine={engine!r}")
         if seed is None:
@@ -311,6 +319,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.num_tangents = num_tangents
         self.tangents_in_one_pass = bool(tangents_in_one_pass)
         self.engine = engine
+        self.estimator = estimator
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite)
@@ -320,13 +329,17 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                 if id(p) not in module_params:
                     raise ValueError(f"params must be parameters of module; got a tensor of shape {tuple(p.shape)} "
                                      f"that module does not own (the JVP can only perturb the module's parameters)")
+        if estimator == "activity":
+            activity.linear_owners(module, [p for g in self.param_groups for p in g["params"]])
 
     def _extra_state(self) -> dict:
-        return dict(super()._extra_state(), seed=self.seed, tangent=self.tangent, num_tangents=self.num_tangents)
+        return dict(super()._extra_state(), seed=self.seed, tangent=self.tangent, num_tangents=self.num_tangents,
+                    estimator=self.estimator)
 
     def _load_extra_state(self, extra: dict) -> None:
         super()._load_extra_state(extra)
         self.seed, self.tangent, self.num_tangents = int(extra["seed"]), extra["tangent"], int(extra["num_tangents"])
+        self.estimator = extra.get("estimator", "weight")
 
     def _stream_offsets(self) -> tuple[list[torch.Tensor], dict[int, int]]:
         """All parameters in order and each one's first index in the tangent stream.
@@ -367,6 +380,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                                           distribution, backends[p.device])
             return make_tangent
 
+        if self.estimator == "activity":
+            return self._activity_step(plan, k, params, closure, distribution)
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and self.num_tangents > 1:
             makers = [tangent_maker(t) for t in range(self.num_tangents)]
@@ -387,6 +402,28 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                              f"unchanged (check the closure and step size, or pass check_finite=False)")
         self._apply(plan, k, grads_of=None, tangent_coeffs=coeffs / self.num_tangents, offsets=offsets,
                     seed=self.seed, distribution=distribution)
+        return loss
+
+
+    def _activity_step(self, plan, k: torch.Tensor, params: list[torch.Tensor], closure, distribution: int):
+        """The step with estimator='activity': tangents on linear outputs, a dense estimate, the gradient path
+        of the fused op (see fgfw.activity)."""
+        backends = {}
+
+        def make_tangent(like: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
+            if like.device not in backends:
+                backends[like.device] = _ops.resolve_backend(self.param_groups[0]["backend"], like.device)
+            return _ops.fill_tangent_(torch.empty_like(like), self.seed, k, tangent_id, offset, distribution,
+                                      backends[like.device])
+
+        loss, grads = activity.activity_gradients(self.module, params, closure, make_tangent, self.num_tangents,
+                                                  self.tangents_in_one_pass)
+        if self.check_finite and not all(bool(torch.isfinite(n)) for n in torch._foreach_norm(list(grads.values()))):
+            raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
+                             f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
+                             f"and step size, or pass check_finite=False)")
+        self._apply(plan, k, grads_of=lambda p: grads[id(p)], tangent_coeffs=None, offsets={}, seed=0,
+                    distribution=0)
         return loss
 
 
@@ -417,16 +454,21 @@ class FGFW(_ForwardGradientFrankWolfe):
             tangents, lean rules) or ``"forward_ad"`` (torch's stock forward-mode AD, the reference).
         backend, check_finite: as in :class:`FrankWolfe`; a non-finite directional derivative raises
             ``ValueError`` and leaves parameters and state untouched.
+        estimator: ``"weight"`` (default, the paper's: tangents over the parameters) or ``"activity"``
+            (tangents over the outputs of the ``nn.Linear`` layers, see :mod:`fgfw.activity`: every
+            parameter must belong to an ``nn.Linear``, the closure must return per-example losses, e.g.
+            ``F.cross_entropy(logits, y, reduction="none")``, whose mean is minimised, and ``engine``
+            does not apply). Far lower variance; it keeps each linear layer's input during the pass.
     """
 
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
-                 check_finite: bool = True, tangents_in_one_pass: bool = False):
+                 check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight"):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
-                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass)
-        if tangent == "rademacher" and num_tangents == 1:
+                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator)
+        if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
             # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
             warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
                           "|g_hat_i| is equal); use tangent='gaussian', num_tangents > 1, or AFGFW", stacklevel=2)
@@ -449,10 +491,12 @@ class AFGFW(_ForwardGradientFrankWolfe):
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
-                 backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False):
+                 backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
+                 estimator: str = "weight"):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
-                         backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass)
+                         backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
+                         estimator=estimator)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)

@@ -1,0 +1,195 @@
+"""The activity-perturbed estimator (fgfw.activity) against backprop.
+
+Given the tangents (regenerated from the stream at the documented offsets), the estimate is a closed
+form in the per-example backprop deltas dL_b/dz: g_hat(W) = 1/(K N) sum_k sum_b <delta_b, u_kb> u_kb h_b^T.
+The deltas come from autograd on a copy of the model, independently of the forward-mode pass.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fgfw import AFGFW, FGFW, FrankWolfe, L1Ball, reference
+from fgfw.activity import activity_gradients
+
+SEED, STEP = 99, 3
+
+
+class TwiceShared(nn.Module):
+    """A linear layer used twice (weight sharing) and a sequence dimension: per-example c over (N, L, .)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 5)
+        self.shared = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3, bias=False)
+
+    def forward(self, x):  # x: (N, L, 6)
+        h = torch.tanh(self.inp(x))
+        h = torch.relu(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(h).mean(1)
+
+
+def models():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 4), nn.GELU(), nn.Linear(4, 3)).double()
+    return [(mlp, torch.randn(5, 7, dtype=torch.double)), (TwiceShared().double(), torch.randn(4, 2, 6, dtype=torch.double))]
+
+
+def stream_tangent(like, offset, t):
+    u = reference.tangent(like.numel(), SEED, STEP, t, offset, reference.GAUSSIAN)
+    return u.to(like.dtype).view(like.shape)
+
+
+def backprop_estimate(model, x, y, num_tangents):
+    """The closed form, from per-example deltas by autograd and the same stream tangents."""
+    clone = copy.deepcopy(model)
+    calls = []  # (layer name, input, output) in call order
+    names = {m: n for n, m in clone.named_modules()}
+
+    def hook(layer, args, out):
+        out.retain_grad()
+        calls.append((names[layer], args[0].detach(), out))
+
+    handles = [m.register_forward_hook(hook) for m in clone.modules() if isinstance(m, nn.Linear)]
+    losses = F.cross_entropy(clone(x), y, reduction="none")
+    losses.sum().backward()  # d(sum_b L_b)/dz_b = dL_b/dz_b: the per-example deltas
+    for h in handles:
+        h.remove()
+    n = len(y)
+    grads = {n_: torch.zeros_like(p) for n_, p in clone.named_parameters()}
+    for t in range(num_tangents):
+        offset, us = 0, []
+        for _, _, z in calls:
+            us.append(stream_tangent(z, offset, t))
+            offset += -(-z.numel() // 4) * 4
+        c = sum((z.grad * u).reshape(n, -1).sum(1) for (_, _, z), u in zip(calls, us))
+        for (name, h, z), u in zip(calls, us):
+            dz = (c.view(n, *[1] * (u.dim() - 1)) * u).reshape(-1, u.shape[-1]) / (num_tangents * n)
+            grads[f"{name}.weight"] += dz.T @ h.reshape(-1, h.shape[-1])
+            if f"{name}.bias" in grads:
+                grads[f"{name}.bias"] += dz.sum(0)
+    return losses.mean().detach(), grads
+
+
+@pytest.mark.parametrize("in_one_pass", [False, True])
+@pytest.mark.parametrize("case", [0, 1])
+def test_estimate_is_the_closed_form_in_backprop_deltas(case, in_one_pass):
+    model, x = models()[case]
+    y = torch.arange(len(x)) % 3
+    params = list(model.parameters())
+    loss, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
+                                     stream_tangent, 3, in_one_pass)
+    ref_loss, ref = backprop_estimate(model, x, y, 3)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[id(p)], ref[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert all(p.grad is None for p in params)
+
+
+def test_estimate_is_unbiased():
+    """The mean of many estimates approaches the backprop gradient of the mean loss (1/sqrt(K) error)."""
+    model, x = models()[0]
+    y = torch.arange(len(x)) % 3
+    params = list(model.parameters())
+    k = 4000
+    _, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
+                                  stream_tangent, k, True)
+    exact = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    flat = torch.cat([grads[id(p)].reshape(-1) for p in params])
+    exact = torch.cat([g.reshape(-1) for g in exact])
+    # one tangent's relative error is about sqrt(number of perturbed activations per example) = sqrt(13)
+    assert float((flat - exact).norm() / exact.norm()) < 4 * (13 / k) ** 0.5
+
+
+def mlp_and_batch():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    return model, torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+
+@pytest.mark.parametrize("cls", [FGFW, AFGFW])
+def test_step_is_the_fused_step_on_the_estimate(cls):
+    """An activity step = FrankWolfe on p.grad = the estimate (AFGFW: momentum 1 - gamma), same balls."""
+    model, x, y = mlp_and_batch()
+    twin = copy.deepcopy(model)
+    kw = dict(step_size=0.1, seed=SEED, num_tangents=4, estimator="activity",
+              constraint=L1Ball.relative_to_init(3.0, scope="row"))
+    if cls is AFGFW:
+        kw["averaging_weight"] = 0.3
+    opt = cls(model, **kw)
+    fw = FrankWolfe(twin.parameters(), constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.1,
+                    momentum=0.7 if cls is AFGFW else None)
+    twin_params = list(twin.parameters())
+    for k in range(1, 4):
+        loss = opt.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+
+        def tangent(like, offset, t):
+            u = reference.tangent(like.numel(), SEED, k, t, offset, reference.GAUSSIAN)
+            return u.to(like.dtype).view(like.shape)
+
+        twin_loss, grads = activity_gradients(twin, twin_params, lambda: F.cross_entropy(twin(x), y, reduction="none"),
+                                              tangent, 4)
+        for p in twin_params:
+            p.grad = grads[id(p)]
+        fw.step()
+        torch.testing.assert_close(loss, twin_loss)
+        for p, q in zip(model.parameters(), twin_params):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_one_pass_follows_the_same_trajectory():
+    model, x, y = mlp_and_batch()
+    twin = copy.deepcopy(model)
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              num_tangents=3, estimator="activity")
+    a, b = AFGFW(model, **kw), AFGFW(twin, tangents_in_one_pass=True, **kw)
+    for _ in range(4):
+        a.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+        b.step(lambda: F.cross_entropy(twin(x), y, reduction="none"))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_keeps_the_estimator_and_resumes_bit_identically():
+    model, x, y = mlp_and_batch()
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              num_tangents=2, estimator="activity")
+    opt = AFGFW(model, **kw)
+    closure = lambda: F.cross_entropy(model(x), y, reduction="none")  # noqa: E731
+    opt.step(closure)
+    saved, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    assert saved["fgfw"]["estimator"] == "activity"
+    opt.step(closure)
+    after = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(saved_model)
+    resumed = AFGFW(model, **dict(kw, estimator="weight"))
+    resumed.load_state_dict(saved)
+    assert resumed.estimator == "activity"
+    resumed.step(closure)
+    for p, q in zip(model.parameters(), after):
+        assert torch.equal(p, q)
+
+
+def test_bad_input_is_refused_early():
+    model, x, y = mlp_and_batch()
+    ball = L1Ball(radius=10.0)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        AFGFW(model, constraint=ball, estimator="activations")
+    with pytest.raises(ValueError, match="engine selects"):
+        AFGFW(model, constraint=ball, estimator="activity", engine="lean")
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"'0.weight'.*belongs to no nn.Linear"):
+        AFGFW(conv, constraint=ball, estimator="activity")
+    AFGFW(conv, params=conv[2].parameters(), constraint=ball, estimator="activity")  # linear layers only: fine
+    opt = AFGFW(model, constraint=ball, estimator="activity")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="per-example losses"):
+        opt.step(lambda: F.cross_entropy(model(x), y))
+    with pytest.raises(ValueError, match="not finite"):
+        opt.step(lambda: F.cross_entropy(model(x), y, reduction="none") * float("inf"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert int(opt._step_count_k) == 0 and not opt.state
