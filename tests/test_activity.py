@@ -39,9 +39,9 @@ def models():
     return [(mlp, torch.randn(5, 7, dtype=torch.double)), (TwiceShared().double(), torch.randn(4, 2, 6, dtype=torch.double))]
 
 
-def stream_tangent(like, offset, t):
-    u = reference.tangent(like.numel(), SEED, STEP, t, offset, reference.GAUSSIAN)
-    return u.to(like.dtype).view(like.shape)
+def stream_tangent(out, offset, t):
+    u = reference.tangent(out.numel(), SEED, STEP, t, offset, reference.GAUSSIAN)
+    return out.copy_(u.view(out.shape))
 
 
 def backprop_estimate(model, x, y, num_tangents):
@@ -64,7 +64,7 @@ def backprop_estimate(model, x, y, num_tangents):
     for t in range(num_tangents):
         offset, us = 0, []
         for _, _, z in calls:
-            us.append(stream_tangent(z, offset, t))
+            us.append(stream_tangent(torch.empty_like(z), offset, t))
             offset += -(-z.numel() // 4) * 4
         c = sum((z.grad * u).reshape(n, -1).sum(1) for (_, _, z), u in zip(calls, us))
         for (name, h, z), u in zip(calls, us):
@@ -127,9 +127,8 @@ def test_step_is_the_fused_step_on_the_estimate(cls):
     for k in range(1, 4):
         loss = opt.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
 
-        def tangent(like, offset, t):
-            u = reference.tangent(like.numel(), SEED, k, t, offset, reference.GAUSSIAN)
-            return u.to(like.dtype).view(like.shape)
+        def tangent(out, offset, t):
+            return out.copy_(reference.tangent(out.numel(), SEED, k, t, offset, reference.GAUSSIAN).view(out.shape))
 
         twin_loss, grads = activity_gradients(twin, twin_params, lambda: F.cross_entropy(twin(x), y, reduction="none"),
                                               tangent, 4)
@@ -185,7 +184,13 @@ def test_bad_input_is_refused_early():
     with pytest.raises(ValueError, match=r"'0.weight'.*belongs to no nn.Linear"):
         AFGFW(conv, constraint=ball, estimator="activity")
     AFGFW(conv, params=conv[2].parameters(), constraint=ball, estimator="activity")  # linear layers only: fine
-    opt = AFGFW(model, constraint=ball, estimator="activity")
+    for one_pass in (False, True):
+        opt = AFGFW(model, constraint=ball, estimator="activity", num_tangents=2, tangents_in_one_pass=one_pass)
+        with pytest.raises(ValueError, match="outside that layer's forward"):  # a penalty the estimate cannot see
+            opt.step(lambda: F.cross_entropy(model(x), y, reduction="none") + model[0].weight.square().sum())
+        with pytest.raises(ValueError, match="outside that layer's forward"):  # a tied weight used by F.linear
+            opt.step(lambda: F.cross_entropy(F.linear(torch.relu(model[0](x)), model[2].weight), y,
+                                             reduction="none"))
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="per-example losses"):
         opt.step(lambda: F.cross_entropy(model(x), y))

@@ -18,8 +18,9 @@ the number of perturbed activations per example (the sum of the layers' widths),
 
 Costs against the weight estimator: the closure must return per-example losses (c_b is per example);
 each perturbed layer's input h is kept until the loss is known (what backprop keeps for its linear
-layers; nothing else: no nonlinearity's saved tensors); the estimate is a dense gradient handed to the
-fused step like a backprop gradient.
+layers), so the memory is of backprop's order, not of inference's (bench/activity.py); the tangents
+are not kept but drawn again from the stream for the estimate; the estimate is a dense gradient handed
+to the fused step like a backprop gradient.
 
 Tangents come from the library's stream (``fill_tangent_``), so a run is reproducible: the t-th tangent
 of step k for the i-th linear call of the forward lives at offset ``sum of the earlier calls' output
@@ -33,8 +34,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch._C._functorch import _add_batch_dim, maybe_current_level
+from torch.overrides import TorchFunctionMode
 
 from .forward_grad import _attention_with_forward_ad
+from .lean import _reads_metadata_only
 
 
 def linear_owners(module: nn.Module, params: Sequence[torch.Tensor]) -> dict[nn.Linear, None]:
@@ -68,43 +71,72 @@ def _check_losses(losses: object, batch: int | None = None) -> torch.Tensor:
     return losses
 
 
-class _Perturbation:
-    """Forward hooks that add a tangent to each call of the perturbed layers and record the call's input."""
+class _Perturbation(TorchFunctionMode):
+    """Forward hooks that add a tangent to each call of the perturbed layers and record the call's input.
 
-    def __init__(self, layers, make_tangent: Callable[[torch.Tensor, int], torch.Tensor], wrap=lambda u: u):
-        self.layers, self.make_tangent, self.wrap = layers, make_tangent, wrap
-        self.calls: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []  # (layer, input, tangent)
+    As a torch-function mode it also refuses any use of a perturbed layer's parameter outside that layer's
+    forward (a tied weight used through ``F.linear``, a penalty in the closure): the estimate is built from
+    the layers' outputs only, so such a use would be silently missing from it.
+    """
+
+    def __init__(self, layers, tangents: Callable[[torch.Tensor, int], torch.Tensor]):
+        super().__init__()
+        self.layers, self.tangents = layers, tangents
+        self.calls: list[tuple[nn.Linear, torch.Tensor, tuple, int]] = []  # (layer, input, output meta, offset)
         self.offset = 0
+        self.inside = 0  # depth of perturbed-layer forwards being run
+        self.params = {id(p) for layer in layers for p in layer.parameters(recurse=False)}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.inside and not _reads_metadata_only(func):
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor) and id(t) in self.params:
+                        raise ValueError(
+                            f"estimator='activity': a parameter of shape {tuple(t.shape)} of a perturbed nn.Linear is "
+                            f"used outside that layer's forward (by {getattr(func, '__name__', func)}), a use the "
+                            f"estimate cannot see; use estimator='weight', or leave that layer out of params")
+        return func(*args, **kwargs)
+
+    def _enter_layer(self, layer, args):
+        self.inside += 1
 
     def _hook(self, layer, args, out):
-        x = args[0]
-        u = self.make_tangent(out, self.offset)
+        self.inside -= 1
+        meta = (out.shape, out.dtype, out.device)
+        self.calls.append((layer, args[0], meta, self.offset))
+        u = self.tangents(out, self.offset)
         self.offset += -(-out.numel() // 4) * 4
-        self.calls.append((layer, x, u))
-        return out + fwAD.make_dual(torch.zeros(out.shape, dtype=out.dtype, device=out.device), self.wrap(u))
+        return out + fwAD.make_dual(torch.zeros(out.shape, dtype=out.dtype, device=out.device), u)
 
     def __enter__(self):
         self.handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
-        return self
+        self.handles += [layer.register_forward_pre_hook(self._enter_layer) for layer in self.layers]
+        return super().__enter__()
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+        return super().__exit__(*exc)
 
 
-def _estimate(calls, inputs, c: torch.Tensor, grads: dict[int, torch.Tensor], num_tangents: int) -> None:
-    """Adds every call's share of g_hat to ``grads``: c has shape (k, N) and each tangent (k, N, ..., out),
-    k of the ``num_tangents`` tangents (all of them in one pass, one per pass otherwise)."""
-    k, n = c.shape
-    for (layer, _, u), h in zip(calls, inputs):
-        if u.shape[1] != n:
-            raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(u.shape[1:])} does not "
-                             f"start with the batch dimension of the {n} per-example losses (batch-first "
-                             f"layouts only)")
-        dz = torch.einsum("kn,kn...->n...", c.to(u.dtype), u.reshape(k, n, -1, u.shape[-1])) / (num_tangents * n)
-        dz = dz.reshape(-1, u.shape[-1])
+def _estimate(calls, inputs, c: torch.Tensor, tangent_ids: Sequence[int], make_tangent, num_tangents: int,
+              grads: dict[int, torch.Tensor]) -> None:
+    """Adds every call's share of g_hat to ``grads``. Row r of c (shape (k, N)) belongs to tangent
+    ``tangent_ids[r]``, whose values are drawn again from the stream (nothing tangent-sized was kept)."""
+    n = c.shape[1]
+    for (layer, _, (shape, dtype, device), offset), h in zip(calls, inputs):
+        if len(shape) < 2 or shape[0] != n:
+            raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(shape)} does not start with "
+                             f"the batch dimension of the {n} per-example losses (batch-first layouts only)")
+        dz = torch.zeros(shape, dtype=dtype, device=device)
+        for row, t in enumerate(tangent_ids):
+            u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
+            dz.addcmul_(c[row].to(dtype).view(n, *[1] * (len(shape) - 1)), u)
+        dz = dz.reshape(-1, shape[-1]).div_(num_tangents * n)
         weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight))
-        weight.add_((dz.T @ h.reshape(-1, h.shape[-1]).to(dz.dtype)).to(weight.dtype))
+        weight.add_((dz.T @ h.reshape(-1, h.shape[-1]).to(dtype)).to(weight.dtype))
         if layer.bias is not None:
             bias = grads.setdefault(id(layer.bias), torch.zeros_like(layer.bias))
             bias.add_(dz.sum(0).to(bias.dtype))
@@ -115,10 +147,10 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                        in_one_pass: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Mean loss and the activity-perturbed gradient estimate of every parameter in ``params``.
 
-    ``make_tangent(out, offset, t)`` returns tangent t for a linear output ``out`` (its shape, dtype and
-    device) starting at
-    ``offset`` of the stream. ``closure`` returns per-example losses. With ``in_one_pass`` the K tangents
-    travel through one forward (``torch.func.vmap`` over ``torch.func.jvp``: the primal runs once; not for
+    ``make_tangent(out, offset, t)`` fills the buffer ``out`` (the shape, dtype and device of a linear
+    output) with tangent t from ``offset`` of the stream and returns it; it must give the same values
+    every time. ``closure`` returns per-example losses. With ``in_one_pass`` the K tangents travel
+    through one forward (``torch.func.vmap`` over ``torch.func.jvp``: the primal runs once; not for
     closures that update captured state in place, such as BatchNorm in train mode); otherwise one
     forward-mode pass per tangent. Returns ``(loss, {id(p): g_hat})``; a parameter the forward never used
     gets a zero estimate (its exact gradient).
@@ -128,19 +160,21 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
     grads: dict[int, torch.Tensor] = {}
     with torch.inference_mode(False), torch.no_grad(), _attention_with_forward_ad():
         if in_one_pass:
-            loss, c, perturbation, inputs = _one_pass(layers, closure, make_tangent, num_tangents)
-            _estimate(perturbation.calls, inputs, c, grads, num_tangents)
+            loss, c, calls, inputs = _one_pass(layers, closure, make_tangent, num_tangents)
+            _estimate(calls, inputs, c, range(num_tangents), make_tangent, num_tangents, grads)
         else:
             loss = None
             for t in range(num_tangents):
-                with fwAD.dual_level(), _Perturbation(layers, lambda out, off: make_tangent(out, off, t)) as pert:
+                def tangent(out, offset, t=t):
+                    return make_tangent(torch.empty(out.shape, dtype=out.dtype, device=out.device), offset, t)
+
+                with fwAD.dual_level(), _Perturbation(layers, tangent) as pert:
                     losses = _check_losses(closure())
-                    primal, tangent = fwAD.unpack_dual(losses)
-                    c = torch.zeros_like(primal) if tangent is None else tangent
-                    inputs = [fwAD.unpack_dual(x).primal for _, x, _ in pert.calls]
-                    calls = [(layer, None, u[None]) for layer, _, u in pert.calls]
+                    primal, c = fwAD.unpack_dual(losses)
+                    c = torch.zeros_like(primal) if c is None else c
+                    inputs = [fwAD.unpack_dual(x).primal for _, x, _, _ in pert.calls]
                 loss = primal.mean() if loss is None else loss
-                _estimate(calls, inputs, c[None], grads, num_tangents)
+                _estimate(pert.calls, inputs, c[None], [t], make_tangent, num_tangents, grads)
     return loss.detach(), {id(p): grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in params}
 
 
@@ -150,16 +184,18 @@ def _one_pass(layers, closure, make_tangent, num_tangents):
     def one_pass(_):
         level = maybe_current_level()
 
-        def tangents(out, offset):
-            like = torch.empty(0).new_empty(out.shape, dtype=out.dtype, device=out.device)
+        def tangents(out, offset):  # the K tangents as one batched tensor of the vmap level
             with torch._C._DisableFuncTorch():
-                return torch.stack([make_tangent(like, offset, t) for t in range(num_tangents)])
+                u = torch.empty((num_tangents, *out.shape), dtype=out.dtype, device=out.device)
+                for t in range(num_tangents):
+                    make_tangent(u[t], offset, t)
+            return _add_batch_dim(u, 0, level)
 
         def run(_):
-            with _Perturbation(layers, tangents, wrap=lambda u: _add_batch_dim(u, 0, level)) as pert:
+            with _Perturbation(layers, tangents) as pert:
                 losses = _check_losses(closure())
-            records["pert"] = pert
-            return losses, [x for _, x, _ in pert.calls]
+            records["calls"] = pert.calls
+            return losses, [x for _, x, _, _ in pert.calls]
 
         anchor = torch.zeros(())
         return torch.func.jvp(run, (anchor,), (anchor,), has_aux=True)
@@ -173,4 +209,4 @@ def _one_pass(layers, closure, make_tangent, num_tangents):
         raise ValueError("the closure updates a tensor it captured in place (e.g. BatchNorm running statistics in "
                          "train mode), which several tangents in one pass cannot do; use tangents_in_one_pass=False "
                          f"(torch: {error})") from None
-    return losses.mean(), c, records["pert"], inputs
+    return losses.mean(), c, records["calls"], inputs

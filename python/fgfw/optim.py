@@ -410,11 +410,10 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         of the fused op (see fgfw.activity)."""
         backends = {}
 
-        def make_tangent(like: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
-            if like.device not in backends:
-                backends[like.device] = _ops.resolve_backend(self.param_groups[0]["backend"], like.device)
-            return _ops.fill_tangent_(torch.empty_like(like), self.seed, k, tangent_id, offset, distribution,
-                                      backends[like.device])
+        def make_tangent(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
+            if out.device not in backends:
+                backends[out.device] = _ops.resolve_backend(self.param_groups[0]["backend"], out.device)
+            return _ops.fill_tangent_(out, self.seed, k, tangent_id, offset, distribution, backends[out.device])
 
         loss, grads = activity.activity_gradients(self.module, params, closure, make_tangent, self.num_tangents,
                                                   self.tangents_in_one_pass)
