@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
-from torch._C._functorch import _add_batch_dim, maybe_current_level
+from torch._C._functorch import _add_batch_dim, _unwrap_for_grad, maybe_current_level
 from torch.overrides import TorchFunctionMode
 
 from .forward_grad import _attention_with_forward_ad
@@ -79,9 +79,11 @@ class _Perturbation(TorchFunctionMode):
     the layers' outputs only, so such a use would be silently missing from it.
     """
 
-    def __init__(self, layers, tangents: Callable[[torch.Tensor, int], torch.Tensor]):
+    def __init__(self, layers, tangents: Callable[[torch.Tensor, int], torch.Tensor],
+                 primal_of: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        self.layers, self.tangents = layers, tangents
+        # primal_of: the input's value without its tangent (keeping the dual would keep the tangent alive)
+        self.layers, self.tangents, self.primal_of = layers, tangents, primal_of
         self.calls: list[tuple[nn.Linear, torch.Tensor, tuple, int]] = []  # (layer, input, output meta, offset)
         self.offset = 0
         self.inside = 0  # depth of perturbed-layer forwards being run
@@ -105,7 +107,7 @@ class _Perturbation(TorchFunctionMode):
     def _hook(self, layer, args, out):
         self.inside -= 1
         meta = (out.shape, out.dtype, out.device)
-        self.calls.append((layer, args[0], meta, self.offset))
+        self.calls.append((layer, self.primal_of(args[0]), meta, self.offset))
         u = self.tangents(out, self.offset)
         self.offset += -(-out.numel() // 4) * 4
         return out + fwAD.make_dual(torch.zeros(out.shape, dtype=out.dtype, device=out.device), u)
@@ -168,11 +170,11 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                 def tangent(out, offset, t=t):
                     return make_tangent(torch.empty(out.shape, dtype=out.dtype, device=out.device), offset, t)
 
-                with fwAD.dual_level(), _Perturbation(layers, tangent) as pert:
+                with fwAD.dual_level(), _Perturbation(layers, tangent, lambda x: fwAD.unpack_dual(x).primal) as pert:
                     losses = _check_losses(closure())
                     primal, c = fwAD.unpack_dual(losses)
                     c = torch.zeros_like(primal) if c is None else c
-                    inputs = [fwAD.unpack_dual(x).primal for _, x, _, _ in pert.calls]
+                    inputs = [x for _, x, _, _ in pert.calls]
                 loss = primal.mean() if loss is None else loss
                 _estimate(pert.calls, inputs, c[None], [t], make_tangent, num_tangents, grads)
     return loss.detach(), {id(p): grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in params}
@@ -192,7 +194,8 @@ def _one_pass(layers, closure, make_tangent, num_tangents):
             return _add_batch_dim(u, 0, level)
 
         def run(_):
-            with _Perturbation(layers, tangents) as pert:
+            jvp_level = maybe_current_level()
+            with _Perturbation(layers, tangents, lambda x: _unwrap_for_grad(x, jvp_level)) as pert:
                 losses = _check_losses(closure())
             records["calls"] = pert.calls
             return losses, [x for _, x, _, _ in pert.calls]
