@@ -15,9 +15,10 @@ TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} python3 -m pip install -q --no
 export PYTHONPATH=/tmp/fgfw-site
 status=0
 python3 -m pytest -q -ra tests/test_cuda_kernels.py tests/test_tangent_stream.py tests/test_triton.py \
-  tests/test_compile.py tests/test_backends.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+  tests/test_compile.py tests/test_backends.py tests/test_activity.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 python3 bench/kernel_bench.py --device cuda --backends fused,triton,eager,compile,copy \
   --out "$out/kernel_gpu.csv" --figure "$out/kernel_gpu.png" 2>&1 | tee "$out/kernel_gpu.log" || status=1
 python3 bench/train_step.py --device cuda --out "$out/train_step" 2>&1 | tee "$out/train_step_gpu.log" || status=1
 python3 bench/memory.py --device cuda --out "$out/memory_gpu.csv" 2>&1 | tee "$out/memory_gpu.log" || status=1
+python3 bench/activity.py --device cuda --out "$out/activity_gpu.csv" 2>&1 | tee "$out/activity_gpu.log" || status=1
 exit $status

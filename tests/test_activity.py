@@ -198,3 +198,20 @@ def test_bad_input_is_refused_early():
         opt.step(lambda: F.cross_entropy(model(x), y, reduction="none") * float("inf"))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert int(opt._step_count_k) == 0 and not opt.state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("in_one_pass", [False, True])
+def test_cuda_run_matches_the_cpu_run(in_one_pass):
+    """Same seed, same tangent stream: the CUDA run follows the CPU run (CUDA tangent fill and fused step)."""
+    model, x, y = mlp_and_batch()
+    twin = copy.deepcopy(model).cuda()
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              num_tangents=3, estimator="activity", tangents_in_one_pass=in_one_pass)
+    cpu, gpu = AFGFW(model, **kw), AFGFW(twin, **kw)
+    xc, yc = x.cuda(), y.cuda()
+    for _ in range(4):
+        cpu.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+        gpu.step(lambda: F.cross_entropy(twin(xc), yc, reduction="none"))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
