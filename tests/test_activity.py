@@ -215,3 +215,34 @@ def test_cuda_run_matches_the_cpu_run(in_one_pass):
         gpu.step(lambda: F.cross_entropy(twin(xc), yc, reduction="none"))
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_step_runs_the_estimate_eagerly_and_matches():
+    """Under torch.compile the estimate runs eagerly (a graph break), the update compiled: same trajectory."""
+    model, x, y = mlp_and_batch()
+    twin = copy.deepcopy(model)
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              num_tangents=2, estimator="activity", check_finite=False)
+    eager, compiled = AFGFW(model, **kw), AFGFW(twin, **kw)
+    step = torch.compile(lambda: compiled.step(lambda: F.cross_entropy(twin(x), y, reduction="none")))
+    for _ in range(3):
+        torch.testing.assert_close(step(), eager.step(lambda: F.cross_entropy(model(x), y, reduction="none")))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_layers_sum_in_float32():
+    """A bfloat16 model's estimate is the float32 model's estimate rounded (sums in float32, same tangents)."""
+    model, x, y = mlp_and_batch()
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    model = copy.deepcopy(low).float()  # the same (rounded) weights in float32
+
+    def estimate(m, inputs):
+        params = list(m.parameters())
+        _, grads = activity_gradients(m, params, lambda: F.cross_entropy(m(inputs), y, reduction="none"),
+                                      stream_tangent, 8, True)
+        return [grads[id(p)] for p in params]
+
+    for g_low, g in zip(estimate(low, x.to(torch.bfloat16)), estimate(model, x.to(torch.bfloat16).float())):
+        assert g_low.dtype == torch.bfloat16
+        torch.testing.assert_close(g_low.float(), g, rtol=0.1, atol=0.02 * float(g.abs().max()))

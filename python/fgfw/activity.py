@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from .forward_grad import _attention_with_forward_ad
 from .lean import _reads_metadata_only
+from .reference import compute_dtype
 
 
 def linear_owners(module: nn.Module, params: Sequence[torch.Tensor]) -> dict[nn.Linear, None]:
@@ -132,18 +133,22 @@ def _estimate(calls, inputs, c: torch.Tensor, tangent_ids: Sequence[int], make_t
         if len(shape) < 2 or shape[0] != n:
             raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(shape)} does not start with "
                              f"the batch dimension of the {n} per-example losses (batch-first layouts only)")
-        dz = torch.zeros(shape, dtype=dtype, device=device)
+        acc = compute_dtype(dtype)  # float32 sums for float16 / bfloat16 layers, as the fused step keeps v
+        dz = torch.zeros(shape, dtype=acc, device=device)
         for row, t in enumerate(tangent_ids):
             u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
-            dz.addcmul_(c[row].to(dtype).view(n, *[1] * (len(shape) - 1)), u)
+            dz.addcmul_(c[row].to(acc).view(n, *[1] * (len(shape) - 1)), u.to(acc))
         dz = dz.reshape(-1, shape[-1]).div_(num_tangents * n)
-        weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight))
-        weight.add_((dz.T @ h.reshape(-1, h.shape[-1]).to(dtype)).to(weight.dtype))
+        weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight, dtype=acc))
+        weight.add_(dz.T @ h.reshape(-1, h.shape[-1]).to(acc))
         if layer.bias is not None:
-            bias = grads.setdefault(id(layer.bias), torch.zeros_like(layer.bias))
-            bias.add_(dz.sum(0).to(bias.dtype))
+            bias = grads.setdefault(id(layer.bias), torch.zeros_like(layer.bias, dtype=acc))
+            bias.add_(dz.sum(0))
 
 
+# Eager always: a compiled caller graph-breaks here (dynamo would trace the hooks and the torch-function mode
+# in an order that breaks both), and the closure it runs is not compiled either.
+@torch.compiler.disable
 def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closure: Callable[[], torch.Tensor],
                        make_tangent: Callable[[torch.Tensor, int, int], torch.Tensor], num_tangents: int,
                        in_one_pass: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -177,7 +182,8 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                     inputs = [x for _, x, _, _ in pert.calls]
                 loss = primal.mean() if loss is None else loss
                 _estimate(pert.calls, inputs, c[None], [t], make_tangent, num_tangents, grads)
-    return loss.detach(), {id(p): grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in params}
+    # the fused step takes gradients in the parameter's dtype
+    return loss.detach(), {id(p): grads[id(p)].to(p.dtype) if id(p) in grads else torch.zeros_like(p) for p in params}
 
 
 def _one_pass(layers, closure, make_tangent, num_tangents):

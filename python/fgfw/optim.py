@@ -360,7 +360,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
         ``closure`` runs the model as usual and returns the scalar loss, e.g.
         ``opt.step(lambda: F.cross_entropy(model(x), y))``; it is called under forward-mode AD and no_grad
-        (no backward pass, no stored activations). Returns the loss at the pre-step parameters.
+        (no backward pass, no stored activations). With ``estimator="activity"`` it returns the per-example
+        losses instead (``reduction="none"``). Returns the (mean) loss at the pre-step parameters.
         """
         if closure is None or not callable(closure):
             raise TypeError(f"{type(self).__name__}.step needs a closure that computes the loss with the module, "
