@@ -107,6 +107,8 @@ def demo(args: argparse.Namespace) -> None:
         model = paper_mlp(in_features=64)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
+            # torch's own notice when forward AD first loads its decompositions; nothing for a demo user to do
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=FutureWarning)
             rows = train(cfg, model, train_data, test_data)
         histories[method] = rows
         _write_history(args.out, method, rows)
