@@ -27,7 +27,7 @@ class TwiceShared(nn.Module):
         self.out = nn.Linear(5, 3, bias=False)
 
     def forward(self, x):  # x: (N, L, 6)
-        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.inp(input=x))  # a keyword input reaches the hooks too
         h = torch.relu(self.shared(h))
         h = torch.tanh(self.shared(h))
         return self.out(h).mean(1)
@@ -50,11 +50,11 @@ def backprop_estimate(model, x, y, num_tangents):
     calls = []  # (layer name, input, output) in call order
     names = {m: n for n, m in clone.named_modules()}
 
-    def hook(layer, args, out):
+    def hook(layer, args, kwargs, out):
         out.retain_grad()
-        calls.append((names[layer], args[0].detach(), out))
+        calls.append((names[layer], (args[0] if args else kwargs["input"]).detach(), out))
 
-    handles = [m.register_forward_hook(hook) for m in clone.modules() if isinstance(m, nn.Linear)]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in clone.modules() if isinstance(m, nn.Linear)]
     losses = F.cross_entropy(clone(x), y, reduction="none")
     losses.sum().backward()  # d(sum_b L_b)/dz_b = dL_b/dz_b: the per-example deltas
     for h in handles:

@@ -63,7 +63,7 @@ def linear_owners(module: nn.Module, params: Sequence[torch.Tensor]) -> dict[nn.
     return layers
 
 
-def _check_losses(losses: object, batch: int | None = None) -> torch.Tensor:
+def _check_losses(losses: object) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor) or not losses.is_floating_point() or losses.dim() != 1:
         described = (f"a tensor of shape {tuple(losses.shape)}, dtype {losses.dtype}" if isinstance(losses, torch.Tensor)
                      else type(losses).__name__)
@@ -102,20 +102,21 @@ class _Perturbation(TorchFunctionMode):
                             f"estimate cannot see; use estimator='weight', or leave that layer out of params")
         return func(*args, **kwargs)
 
-    def _enter_layer(self, layer, args):
+    def _enter_layer(self, layer, args, kwargs):
         self.inside += 1
 
-    def _hook(self, layer, args, out):
+    def _hook(self, layer, args, kwargs, out):
         self.inside -= 1
         meta = (out.shape, out.dtype, out.device)
-        self.calls.append((layer, self.primal_of(args[0]), meta, self.offset))
+        x = args[0] if args else kwargs["input"]
+        self.calls.append((layer, self.primal_of(x), meta, self.offset))
         u = self.tangents(out, self.offset)
         self.offset += -(-out.numel() // 4) * 4
         return out + fwAD.make_dual(torch.zeros(out.shape, dtype=out.dtype, device=out.device), u)
 
     def __enter__(self):
-        self.handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
-        self.handles += [layer.register_forward_pre_hook(self._enter_layer) for layer in self.layers]
+        self.handles = [layer.register_forward_hook(self._hook, with_kwargs=True) for layer in self.layers]
+        self.handles += [layer.register_forward_pre_hook(self._enter_layer, with_kwargs=True) for layer in self.layers]
         return super().__enter__()
 
     def __exit__(self, *exc):
