@@ -7,7 +7,8 @@ For each MLP (all parameters in nn.Linear layers, which the activity estimator n
   it exists; otherwise bench/memory.py's random batch), mean over ``--draws`` tangent draws, for the weight estimator (the paper's, u over the parameters; the lean
   engine) and the activity estimator (fgfw.activity, u over the linear outputs), K = 1 and 16 tangents;
 * transient memory of the call (``fgfw.lean.measure_peak``, as bench/memory.py) and its median time,
-  beside a no_grad forward and a backprop step (forward + backward).
+  beside a no_grad forward and a backprop step (forward + backward); the activity estimator both
+  keeping the linear layers' inputs and with ``recompute_inputs`` (a second, plain forward instead).
 
 The weight estimate is c u over all parameters, so its cosine is ~sqrt(K / d); the activity estimate's
 noise grows with the number of perturbed activations per example instead. Writes bench/activity.csv.
@@ -94,6 +95,9 @@ def run_case(name, size, device, repeats, draws, images=None):
                                                                         mean_loss, k))
         calls[f"activity_k{k}"] = lambda k=k: activity_gradients(model, params, example_losses,
                                                                  activity_source(backend, 0), k, k > 1)
+        # the same estimate, from a second plain forward instead of kept layer inputs
+        calls[f"activity_recompute_k{k}"] = lambda k=k: activity_gradients(model, params, example_losses,
+                                                                           activity_source(backend, 0), k, k > 1, True)
     transients = {}
     for call, fn in calls.items():
         fn()  # warm-up
@@ -103,6 +107,7 @@ def run_case(name, size, device, repeats, draws, images=None):
     for k in KS:
         quality[f"weight_k{k}"] = sum(cosine(weight_estimate(k, d), exact) for d in range(draws)) / draws
         quality[f"activity_k{k}"] = sum(cosine(activity_estimate(k, d), exact) for d in range(draws)) / draws
+        quality[f"activity_recompute_k{k}"] = quality[f"activity_k{k}"]  # the same estimate (tests/test_activity.py)
     return [dict(model=name, batch=size, call=call, parameters=exact.numel(), cosine_to_gradient=quality.get(call, ""),
                  transient_mib=transients[call] / 2**20, transient_vs_backprop=transients[call] / transients["backprop"],
                  ms=seconds[call] * 1e3, time_vs_backprop=seconds[call] / seconds["backprop"]) for call in calls]
@@ -132,13 +137,13 @@ def main():
     print(f"data: {'MNIST training images from ' + args.data if images is not None else 'random (bench/memory.py)'}")
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"device {device}")
-    print("model          batch  call             cos(est, grad)  transient MiB  /backprop   ms      /backprop")
+    print("model          batch  call                     cos(est, grad)  transient MiB  /backprop   ms      /backprop")
     for name, sizes in cases.items():
         for size in sizes:
             for r in run_case(name, size, device, repeats, draws, images):
                 rows.append(r)
                 cos = f"{r['cosine_to_gradient']:.3f}" if r["cosine_to_gradient"] != "" else "-"
-                print(f"{name:14s} {size:<6d} {r['call']:16s} {cos:>14s}  {r['transient_mib']:13.2f}  "
+                print(f"{name:14s} {size:<6d} {r['call']:24s} {cos:>14s}  {r['transient_mib']:13.2f}  "
                       f"{r['transient_vs_backprop']:9.2f}  {r['ms']:8.2f}  {r['time_vs_backprop']:8.2f}", flush=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -75,14 +75,15 @@ def backprop_estimate(model, x, y, num_tangents):
     return losses.mean().detach(), grads
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("in_one_pass", [False, True])
 @pytest.mark.parametrize("case", [0, 1])
-def test_estimate_is_the_closed_form_in_backprop_deltas(case, in_one_pass):
+def test_estimate_is_the_closed_form_in_backprop_deltas(case, in_one_pass, recompute):
     model, x = models()[case]
     y = torch.arange(len(x)) % 3
     params = list(model.parameters())
     loss, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
-                                     stream_tangent, 3, in_one_pass)
+                                     stream_tangent, 3, in_one_pass, recompute)
     ref_loss, ref = backprop_estimate(model, x, y, 3)
     torch.testing.assert_close(loss, ref_loss)
     for name, p in model.named_parameters():
@@ -151,6 +152,47 @@ def test_one_pass_follows_the_same_trajectory():
         b.step(lambda: F.cross_entropy(twin(x), y, reduction="none"))
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_keeps_no_activation_through_the_pass():
+    """recompute_inputs: the transient memory is flat in depth (one layer at a time), keeping grows with it."""
+    from fgfw.lean import measure_peak
+
+    def peak(depth, recompute):
+        torch.manual_seed(0)
+        layers = [nn.Linear(64, 256), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(256, 256), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(256, 4))
+        x, y = torch.randn(1024, 64), torch.randint(0, 4, (1024,))
+        params = list(model.parameters())
+        tangent = lambda out, offset, t: out.normal_()  # noqa: E731  (memory only: the values do not matter)
+        run = lambda: activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),  # noqa: E731
+                                         tangent, 1, False, recompute)
+        run()
+        _, transient = measure_peak(run)
+        return transient - sum(p.nbytes for p in params)  # the estimate itself is parameter-sized either way
+
+    activation = 1024 * 256 * 4
+    kept = peak(8, False) - peak(2, False)
+    recomputed = peak(8, True) - peak(2, True)
+    assert kept > 6 * activation  # six more layer inputs kept through the pass
+    assert recomputed < 1.5 * activation
+
+
+def test_recompute_refuses_a_closure_that_changes_between_passes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Dropout(0.5), nn.Linear(6, 4))
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    opt = AFGFW(model, constraint=L1Ball(radius=10.0), estimator="activity", recompute_inputs=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="deterministic"):
+        opt.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
+    model.eval()  # no dropout: the same step goes through
+    opt.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+    with pytest.raises(ValueError, match="applies to estimator='activity'"):
+        AFGFW(model, constraint=L1Ball(radius=10.0), recompute_inputs=True)
 
 
 def test_state_dict_keeps_the_estimator_and_resumes_bit_identically():

@@ -125,26 +125,58 @@ class _Perturbation(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
-def _estimate(calls, inputs, c: torch.Tensor, tangent_ids: Sequence[int], make_tangent, num_tangents: int,
-              grads: dict[int, torch.Tensor]) -> None:
-    """Adds every call's share of g_hat to ``grads``. Row r of c (shape (k, N)) belongs to tangent
+def _add_call_estimate(layer, h, meta, offset, c: torch.Tensor, tangent_ids: Sequence[int], make_tangent,
+                       num_tangents: int, grads: dict[int, torch.Tensor]) -> None:
+    """Adds one layer call's share of g_hat to ``grads``. Row r of c (shape (k, N)) belongs to tangent
     ``tangent_ids[r]``, whose values are drawn again from the stream (nothing tangent-sized was kept)."""
+    shape, dtype, device = meta
     n = c.shape[1]
-    for (layer, _, (shape, dtype, device), offset), h in zip(calls, inputs):
-        if len(shape) < 2 or shape[0] != n:
-            raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(shape)} does not start with "
-                             f"the batch dimension of the {n} per-example losses (batch-first layouts only)")
-        acc = compute_dtype(dtype)  # float32 sums for float16 / bfloat16 layers, as the fused step keeps v
-        dz = torch.zeros(shape, dtype=acc, device=device)
-        for row, t in enumerate(tangent_ids):
-            u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
-            dz.addcmul_(c[row].to(acc).view(n, *[1] * (len(shape) - 1)), u.to(acc))
-        dz = dz.reshape(-1, shape[-1]).div_(num_tangents * n)
-        weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight, dtype=acc))
-        weight.add_(dz.T @ h.reshape(-1, h.shape[-1]).to(acc))
-        if layer.bias is not None:
-            bias = grads.setdefault(id(layer.bias), torch.zeros_like(layer.bias, dtype=acc))
-            bias.add_(dz.sum(0))
+    if len(shape) < 2 or shape[0] != n:
+        raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(shape)} does not start with "
+                         f"the batch dimension of the {n} per-example losses (batch-first layouts only)")
+    acc = compute_dtype(dtype)  # float32 sums for float16 / bfloat16 layers, as the fused step keeps v
+    dz = torch.zeros(shape, dtype=acc, device=device)
+    for row, t in enumerate(tangent_ids):
+        u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
+        dz.addcmul_(c[row].to(acc).view(n, *[1] * (len(shape) - 1)), u.to(acc))
+    dz = dz.reshape(-1, shape[-1]).div_(num_tangents * n)
+    weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight, dtype=acc))
+    weight.add_(dz.T @ h.reshape(-1, h.shape[-1]).to(acc))
+    if layer.bias is not None:
+        bias = grads.setdefault(id(layer.bias), torch.zeros_like(layer.bias, dtype=acc))
+        bias.add_(dz.sum(0))
+
+
+def _recompute_estimate(layers, closure, calls, losses: torch.Tensor, c: torch.Tensor, make_tangent,
+                        num_tangents: int, grads: dict[int, torch.Tensor]) -> None:
+    """The estimate from a second, plain forward: each layer's input is used when that layer runs, then freed.
+
+    The second pass must repeat the first (same calls, same losses); a closure that does not (dropout in
+    train mode, data-dependent randomness) raises ``ValueError`` rather than mixing two different passes.
+    """
+    seen = [0]
+
+    def hook(layer, args, kwargs, out):
+        i = seen[0]
+        if i >= len(calls) or calls[i][0] is not layer or tuple(out.shape) != tuple(calls[i][2][0]):
+            raise ValueError("recompute_inputs=True: the second forward pass called the linear layers differently "
+                             "from the first; the closure must be deterministic (no dropout in train mode)")
+        x = args[0] if args else kwargs["input"]
+        _add_call_estimate(layer, x, calls[i][2], calls[i][3], c, range(num_tangents), make_tangent, num_tangents,
+                           grads)
+        seen[0] += 1
+
+    handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        again = _check_losses(closure())
+    finally:
+        for h in handles:
+            h.remove()
+    scale = float(losses.abs().max()) if losses.numel() else 0.0
+    if seen[0] != len(calls) or again.shape != losses.shape or not torch.allclose(again, losses, rtol=1e-4,
+                                                                                    atol=1e-6 * max(1.0, scale)):
+        raise ValueError("recompute_inputs=True: the second forward pass gave other losses than the first; the "
+                         "closure must be deterministic (no dropout in train mode, no random augmentation inside)")
 
 
 # Eager always: a compiled caller graph-breaks here (dynamo would trace the hooks and the torch-function mode
@@ -152,7 +184,8 @@ def _estimate(calls, inputs, c: torch.Tensor, tangent_ids: Sequence[int], make_t
 @torch.compiler.disable
 def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closure: Callable[[], torch.Tensor],
                        make_tangent: Callable[[torch.Tensor, int, int], torch.Tensor], num_tangents: int,
-                       in_one_pass: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       in_one_pass: bool = False, recompute_inputs: bool = False,
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Mean loss and the activity-perturbed gradient estimate of every parameter in ``params``.
 
     ``make_tangent(out, offset, t)`` fills the buffer ``out`` (the shape, dtype and device of a linear
@@ -160,34 +193,47 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
     every time. ``closure`` returns per-example losses. With ``in_one_pass`` the K tangents travel
     through one forward (``torch.func.vmap`` over ``torch.func.jvp``: the primal runs once; not for
     closures that update captured state in place, such as BatchNorm in train mode); otherwise one
-    forward-mode pass per tangent. Returns ``(loss, {id(p): g_hat})``; a parameter the forward never used
-    gets a zero estimate (its exact gradient).
+    forward-mode pass per tangent. With ``recompute_inputs`` nothing activation-sized is kept through
+    the forward-mode pass(es): a second, plain forward supplies each layer's input when the estimate
+    needs it (one more forward; the closure must be deterministic). Returns ``(loss, {id(p): g_hat})``;
+    a parameter the forward never used gets a zero estimate (its exact gradient).
     """
     params = list(params)
     layers = linear_owners(module, params)
     grads: dict[int, torch.Tensor] = {}
+    keep = not recompute_inputs
     with torch.inference_mode(False), torch.no_grad(), _attention_with_forward_ad():
         if in_one_pass:
-            loss, c, calls, inputs = _one_pass(layers, closure, make_tangent, num_tangents)
-            _estimate(calls, inputs, c, range(num_tangents), make_tangent, num_tangents, grads)
+            losses, c, calls, inputs = _one_pass(layers, closure, make_tangent, num_tangents, keep)
+            for call, h in zip(calls, inputs if keep else ()):
+                _add_call_estimate(call[0], h, call[2], call[3], c, range(num_tangents), make_tangent,
+                                   num_tangents, grads)
         else:
-            loss = None
+            rows = []
             for t in range(num_tangents):
                 def tangent(out, offset, t=t):
                     return make_tangent(torch.empty(out.shape, dtype=out.dtype, device=out.device), offset, t)
 
-                with fwAD.dual_level(), _Perturbation(layers, tangent, lambda x: fwAD.unpack_dual(x).primal) as pert:
-                    losses = _check_losses(closure())
-                    primal, c = fwAD.unpack_dual(losses)
-                    c = torch.zeros_like(primal) if c is None else c
-                    inputs = [x for _, x, _, _ in pert.calls]
-                loss = primal.mean() if loss is None else loss
-                _estimate(pert.calls, inputs, c[None], [t], make_tangent, num_tangents, grads)
+                primal_of = (lambda x: fwAD.unpack_dual(x).primal) if keep else (lambda x: None)
+                with fwAD.dual_level(), _Perturbation(layers, tangent, primal_of) as pert:
+                    out = _check_losses(closure())
+                    primal, c_t = fwAD.unpack_dual(out)
+                    c_t = torch.zeros_like(primal) if c_t is None else c_t
+                losses = primal if t == 0 else losses
+                calls = pert.calls
+                if keep:  # this pass's share now, so that its inputs go
+                    for layer, h, meta, offset in calls:
+                        _add_call_estimate(layer, h, meta, offset, c_t[None], [t], make_tangent, num_tangents, grads)
+                rows.append(c_t)
+            c = torch.stack(rows)
+        if recompute_inputs:
+            _recompute_estimate(layers, closure, calls, losses, c, make_tangent, num_tangents, grads)
     # the fused step takes gradients in the parameter's dtype
-    return loss.detach(), {id(p): grads[id(p)].to(p.dtype) if id(p) in grads else torch.zeros_like(p) for p in params}
+    return losses.mean().detach(), {id(p): grads[id(p)].to(p.dtype) if id(p) in grads else torch.zeros_like(p)
+                                    for p in params}
 
 
-def _one_pass(layers, closure, make_tangent, num_tangents):
+def _one_pass(layers, closure, make_tangent, num_tangents, keep_inputs=True):
     records = {}
 
     def one_pass(_):
@@ -202,10 +248,11 @@ def _one_pass(layers, closure, make_tangent, num_tangents):
 
         def run(_):
             jvp_level = maybe_current_level()
-            with _Perturbation(layers, tangents, lambda x: _unwrap_for_grad(x, jvp_level)) as pert:
+            primal_of = (lambda x: _unwrap_for_grad(x, jvp_level)) if keep_inputs else (lambda x: None)
+            with _Perturbation(layers, tangents, primal_of) as pert:
                 losses = _check_losses(closure())
             records["calls"] = pert.calls
-            return losses, [x for _, x, _, _ in pert.calls]
+            return losses, [x for _, x, _, _ in pert.calls] if keep_inputs else []
 
         anchor = torch.zeros(())
         return torch.func.jvp(run, (anchor,), (anchor,), has_aux=True)
@@ -219,4 +266,4 @@ def _one_pass(layers, closure, make_tangent, num_tangents):
         raise ValueError("the closure updates a tensor it captured in place (e.g. BatchNorm running statistics in "
                          "train mode), which several tangents in one pass cannot do; use tangents_in_one_pass=False "
                          f"(torch: {error})") from None
-    return losses.mean(), c, records["calls"], inputs
+    return losses, c, records["calls"], inputs

@@ -290,7 +290,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
     def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: L1Ball,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
-                 check_finite: bool, tangents_in_one_pass: bool, estimator: str):
+                 check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -300,6 +300,9 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if recompute_inputs and estimator != "activity":
+            raise ValueError("recompute_inputs=True applies to estimator='activity' (the weight estimator keeps no "
+                             "inputs to recompute)")
         if estimator == "activity" and engine is not None:
             raise ValueError(f"engine selects the forward-mode engine of estimator='weight'; estimator='activity' "
                              f"always runs torch's forward AD (got engine={engine!r})")
@@ -320,6 +323,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.tangents_in_one_pass = bool(tangents_in_one_pass)
         self.engine = engine
         self.estimator = estimator
+        self.recompute_inputs = bool(recompute_inputs)
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite)
@@ -417,7 +421,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             return _ops.fill_tangent_(out, self.seed, k, tangent_id, offset, distribution, backends[out.device])
 
         loss, grads = activity.activity_gradients(self.module, params, closure, make_tangent, self.num_tangents,
-                                                  self.tangents_in_one_pass)
+                                                  self.tangents_in_one_pass, self.recompute_inputs)
         if self.check_finite and not all(bool(torch.isfinite(n)) for n in torch._foreach_norm(list(grads.values()))):
             raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
                              f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
@@ -459,15 +463,21 @@ class FGFW(_ForwardGradientFrankWolfe):
             parameter must belong to an ``nn.Linear``, the closure must return per-example losses, e.g.
             ``F.cross_entropy(logits, y, reduction="none")``, whose mean is minimised, and ``engine``
             does not apply). Far lower variance; it keeps each linear layer's input during the pass.
+        recompute_inputs: with ``estimator="activity"``, keep no layer input through the forward-mode pass
+            and run the closure once more, plainly, to build the estimate layer by layer: memory of an
+            inference forward plus a parameter-sized estimate, for one extra forward. The closure must be
+            deterministic (no dropout in train mode); a second pass that differs raises ``ValueError``.
     """
 
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
-                 check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight"):
+                 check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
+                 recompute_inputs: bool = False):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
-                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator)
+                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator,
+                         recompute_inputs=recompute_inputs)
         if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
             # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
             warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
@@ -492,11 +502,11 @@ class AFGFW(_ForwardGradientFrankWolfe):
                  step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
-                 estimator: str = "weight"):
+                 estimator: str = "weight", recompute_inputs: bool = False):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
-                         estimator=estimator)
+                         estimator=estimator, recompute_inputs=recompute_inputs)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)
