@@ -18,7 +18,6 @@ noise grows with the number of perturbed activations per example instead. Writes
 from __future__ import annotations
 
 import argparse
-import csv
 import platform
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from fgfw import _ops
 from fgfw.activity import activity_gradients
+from fgfw.experiments import write_csv
 from fgfw.forward_grad import ENGINES
 from fgfw.lean import measure_peak
 from memory import MODELS, TangentSource, batch, median_times
@@ -145,10 +145,7 @@ def main():
                 cos = f"{r['cosine_to_gradient']:.3f}" if r["cosine_to_gradient"] != "" else "-"
                 print(f"{name:14s} {size:<6d} {r['call']:24s} {cos:>14s}  {r['transient_mib']:13.2f}  "
                       f"{r['transient_vs_backprop']:9.2f}  {r['ms']:8.2f}  {r['time_vs_backprop']:8.2f}", flush=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ table.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import statistics
@@ -39,6 +38,7 @@ import torch
 
 import fgfw
 from fgfw import _ops
+from fgfw.experiments import write_csv
 
 HERE = Path(__file__).resolve().parent
 MODES = {"afgfw": True, "fgfw": False}  # mode -> with momentum
@@ -333,10 +333,7 @@ def main(argv=None):
 
     out = args.out or HERE / "figures" / f"kernel_{device}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     figure = args.figure or HERE / "figures" / f"kernel_{device}.png"
     plot(rows, figure, title)
     print(f"\n{title}\n\n{markdown(rows)}\n\nCSV: {out}\nPNG: {figure}")

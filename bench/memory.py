@@ -21,7 +21,6 @@ optimizer draws them. Writes bench/memory.csv and bench/figures/memory_*.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import platform
 import statistics
 import time
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fgfw import _ops
+from fgfw.experiments import write_csv
 from fgfw.forward_grad import ENGINES
 from fgfw.lean import measure_peak
 from fgfw.models import paper_mlp
@@ -274,14 +274,8 @@ def main():
     table = [r for name in args.models for size in batches[name]
              for r in ratios([m for m in measurements if m["model"] == name and m["batch"] == size])]
     out = Path(args.out)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(measurements[0]))
-        writer.writeheader()
-        writer.writerows(measurements)
-    with open(out.with_name(out.stem + "_ratios.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
+    write_csv(out, measurements)
+    write_csv(out.with_name(out.stem + "_ratios.csv"), table)
     figures = HERE / "figures"
     figures.mkdir(exist_ok=True)
     plot(table, figures / f"{out.stem}_ratios.png", figures / f"{out.stem}_k.png")

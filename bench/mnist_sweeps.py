@@ -18,7 +18,6 @@ Prints one JSON line per setting; ``--out`` writes them as CSV.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fgfw.data import mnist_split
-from fgfw.experiments import RunConfig, evaluate, train
+from fgfw.experiments import RunConfig, evaluate, train, write_csv
 from fgfw.models import paper_mlp
 
 HERE = Path(__file__).resolve().parent
@@ -109,10 +108,7 @@ def main():
     else:
         rows = adam_ceiling(args.data, ADAM if args.sweep == "adam" else ADAM_LONG)
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ bench/results); ``--figure`` copies the plot (e.g. to bench/figures/).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -274,6 +273,7 @@ def main() -> None:
         print(json.dumps(run_case(**json.loads(args.case))))
         return
 
+    from fgfw.experiments import write_csv
     from fgfw.forward_grad import ENGINES
 
     cases = ["forward", *(f"fg:{name}" for name in ENGINES), "backprop_fw"]
@@ -293,10 +293,7 @@ def main() -> None:
     print(f"\ndevice: {device} ({machine}); torch {torch.__version__}; engines {', '.join(ENGINES)}\n")
     print_table(rows)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"train_step_{device}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(os.path.join(args.out, f"train_step_{device}.csv"), rows)
     path = os.path.join(args.out, f"train_step_{device}.png")
     plot(path, rows, cases, f"one training step, float32, {device} ({machine})")
     if args.figure:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -11,7 +10,7 @@ import warnings
 
 import torch
 
-from .experiments import METHODS, PRESETS, RunConfig, config_from_preset, summarize, train
+from .experiments import METHODS, PRESETS, RunConfig, config_from_preset, summarize, train, write_csv
 from .models import paper_mlp
 from .optim import ESTIMATORS
 
@@ -50,16 +49,8 @@ def _progress(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
-def _write_csv(path: str, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _write_history(out_dir: str, name: str, rows: list[dict]) -> None:
-    _write_csv(os.path.join(out_dir, f"{name}.csv"), rows)
+    write_csv(os.path.join(out_dir, f"{name}.csv"), rows)
 
 
 def _plot_curves(path: str, summary: dict[str, list[dict]], title: str) -> None:
@@ -186,14 +177,14 @@ def reproduce(args: argparse.Namespace) -> dict:
         histories.append(rows)
     summary = summarize(histories)
     rows = [r for h in histories for r in h]
-    _write_csv(os.path.join(args.out, "history.csv"), rows)
+    write_csv(os.path.join(args.out, "history.csv"), rows)
     settings = {cfg.method: {k: v for k, v in cfg.describe().items() if k != "seed"} for cfg in configs}
     report = dict(data=name, train_size=len(train_data[1]), test_size=len(test_data[1]), parameters=n_params,
                   preset=args.preset, seeds=args.seeds, settings=settings, history=rows, summary=summary)
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(report, f, indent=1)
     final = [dict(method=m, **{k: v for k, v in s[-1].items()}) for m, s in summary.items()]
-    _write_csv(os.path.join(args.out, "summary.csv"), final)
+    write_csv(os.path.join(args.out, "summary.csv"), final)
     plot = os.path.join(args.out, "curves.png")
     _plot_curves(plot, summary, f"{name}, paper MLP, preset {args.preset!r}")
     print(f"\nafter {args.epochs} epochs, mean +- std over {len(args.seeds)} seed(s):")

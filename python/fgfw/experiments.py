@@ -5,6 +5,7 @@ literally) and ``"tuned"`` (what trains on this network; see bench/RESULTS.md fo
 """
 from __future__ import annotations
 
+import csv
 import math
 import resource
 import sys
@@ -177,6 +178,15 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, steps_per_epoch: int = 1):
     if cfg.averaging_weight is not None:
         common["averaging_weight"] = parse_schedule(cfg.averaging_weight, total)
     return AFGFW(model, **common)
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    """``rows`` as CSV with a header; the columns are every key in order of first appearance."""
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 @torch.no_grad()
