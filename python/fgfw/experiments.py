@@ -226,6 +226,8 @@ def train(cfg: RunConfig, model: nn.Module, train_data, test_data, progress=None
     opt = build_optimizer(cfg, model, steps_per_epoch=-(-len(y_train) // cfg.batch_size))
     test_data = tuple(t.to(device) for t in test_data)
     batches = torch.Generator().manual_seed(cfg.seed)
+    # the activity estimator needs each example's loss (it minimises their mean)
+    reduction = "none" if cfg.estimator == "activity" else "mean"
     history = []
 
     def record(epoch, train_loss, gap, elapsed):
@@ -250,8 +252,6 @@ def train(cfg: RunConfig, model: nn.Module, train_data, test_data, progress=None
             idx = order[i:i + cfg.batch_size]
             x, y = x_train[idx], y_train[idx]
             if cfg.method in FORWARD_GRADIENT_METHODS:
-                # the activity estimator needs each example's loss (it minimises their mean)
-                reduction = "none" if cfg.estimator == "activity" else "mean"
                 loss = opt.step(lambda: F.cross_entropy(model(x), y, reduction=reduction))
             else:
                 opt.zero_grad()

@@ -23,6 +23,13 @@ STATE_KEY = "fgfw"
 ESTIMATORS = ("weight", "activity")
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: the norms on one device, one host synchronisation."""
+    norms = torch._foreach_norm(tensors)
+    device = norms[0].device
+    return bool(torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all())
+
+
 def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
 
@@ -278,7 +285,7 @@ class FrankWolfe(_FrankWolfeBase):
             plan.append((group, alpha, gamma))
         if self.check_finite:
             grads = [p.grad for group, _, _ in plan for p in group["params"] if p.grad is not None]
-            if grads and not all(bool(torch.isfinite(n)) for n in torch._foreach_norm(grads)):
+            if grads and not _all_finite(grads):
                 raise ValueError(f"a gradient is not finite at step k={int(k)}; parameters and optimizer state were "
                                  f"left unchanged (pass check_finite=False to skip this check)")
         self._apply(plan, k, grads_of=lambda p: p.grad, tangent_coeffs=None, offsets={}, seed=0, distribution=0)
@@ -376,17 +383,17 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         distribution = reference.DISTRIBUTIONS[self.tangent]
         backends = {}
 
+        def fill(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
+            """``out`` filled with tangent ``tangent_id`` of step k from ``offset`` of the stream."""
+            if out.device not in backends:
+                backends[out.device] = _ops.resolve_backend(self.param_groups[0]["backend"], out.device)
+            return _ops.fill_tangent_(out, self.seed, k, tangent_id, offset, distribution, backends[out.device])
+
         def tangent_maker(tangent_id: int):
-            def make_tangent(j: int) -> torch.Tensor:
-                p = params[j]
-                if p.device not in backends:
-                    backends[p.device] = _ops.resolve_backend(self.param_groups[0]["backend"], p.device)
-                return _ops.fill_tangent_(torch.empty_like(p), self.seed, k, tangent_id, offsets[id(p)],
-                                          distribution, backends[p.device])
-            return make_tangent
+            return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
 
         if self.estimator == "activity":
-            return self._activity_step(plan, k, params, closure, distribution)
+            return self._activity_step(plan, k, params, closure, fill)
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and self.num_tangents > 1:
             makers = [tangent_maker(t) for t in range(self.num_tangents)]
@@ -409,20 +416,12 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                     seed=self.seed, distribution=distribution)
         return loss
 
-
-    def _activity_step(self, plan, k: torch.Tensor, params: list[torch.Tensor], closure, distribution: int):
-        """The step with estimator='activity': tangents on linear outputs, a dense estimate, the gradient path
-        of the fused op (see fgfw.activity)."""
-        backends = {}
-
-        def make_tangent(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
-            if out.device not in backends:
-                backends[out.device] = _ops.resolve_backend(self.param_groups[0]["backend"], out.device)
-            return _ops.fill_tangent_(out, self.seed, k, tangent_id, offset, distribution, backends[out.device])
-
-        loss, grads = activity.activity_gradients(self.module, params, closure, make_tangent, self.num_tangents,
+    def _activity_step(self, plan, k: torch.Tensor, params: list[torch.Tensor], closure, fill):
+        """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
+        step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
+        loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
                                                   self.tangents_in_one_pass, self.recompute_inputs)
-        if self.check_finite and not all(bool(torch.isfinite(n)) for n in torch._foreach_norm(list(grads.values()))):
+        if self.check_finite and not _all_finite(list(grads.values())):
             raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
                              f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
                              f"and step size, or pass check_finite=False)")
