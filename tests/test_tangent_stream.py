@@ -105,6 +105,18 @@ def test_reference_offsets_compose():
     assert torch.equal(whole, parts)
 
 
+@pytest.mark.parametrize("distribution", [ref.GAUSSIAN, ref.RADEMACHER])
+def test_reference_runs_on_the_device_of_its_tensors(distribution):
+    """The spec must run where the kernels run: its int counter words become tensors on the device of
+    q, not CPU tensors (which failed on CUDA). The meta device stands in for a GPU here: any
+    CPU tensor meeting a meta one raises just as it would against a CUDA one."""
+    u = ref.tangent(9, 5, 7, 0, offset=2, distribution=distribution, device="meta")
+    assert u.device.type == "meta" and u.shape == (9,) and u.dtype == torch.float32
+    param = torch.empty(3, 5, device="meta")
+    g = ref.direction(param, None, torch.ones(2, dtype=torch.float64, device="meta"), 5, 7, 4, distribution)
+    assert g.device.type == "meta" and g.shape == (15,)
+
+
 def test_reference_gaussian_moments():
     u = ref.tangent(1_000_000, seed=3, step=1, tangent_id=0).double()
     assert abs(u.mean().item()) < 5e-3

@@ -52,7 +52,10 @@ def philox4x32_10(counter: Sequence[torch.Tensor | int], key: Sequence[int]) -> 
 
     ``counter`` is four tensors (or ints) broadcast together; ``key`` two ints. Returns four tensors.
     """
-    c = [torch.as_tensor(x, dtype=torch.int64) for x in counter]
+    # Ints become tensors on the device of the tensor words: broadcast, a CPU scalar turns into a CPU
+    # tensor that cannot meet a CUDA one.
+    device = next((x.device for x in counter if isinstance(x, torch.Tensor)), None)
+    c = [torch.as_tensor(x, dtype=torch.int64, device=device) for x in counter]
     c = list(torch.broadcast_tensors(*c))
     k0, k1 = key[0] & _MASK32, key[1] & _MASK32
     for rnd in range(10):
