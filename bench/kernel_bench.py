@@ -1,7 +1,10 @@
 """Kernel benchmark: the fused L1-ball Frank-Wolfe step against eager PyTorch, torch.compile and a copy.
 
-For each size (and a many-small-tensors case built from a realistic model's shapes) it times one
-optimizer step on one (device, dtype) group:
+For each size (and two many-tensor cases: a realistic model's 200 shapes with per-tensor balls, and a
+12 x 1024 MLP with one ball per row) it times one optimizer step on one (device, dtype) group, in three
+modes: ``afgfw`` (forward gradient with momentum v: reads and writes theta and v, 16 B/param in
+float32), ``fgfw`` (forward gradient, no momentum: theta, 8 B/param) and ``fw`` (backprop gradient, no
+momentum: theta read and written, the gradient read, 12 B/param):
 
 * ``fused``   - fgfw's compiled kernel (``cuda`` on a GPU, ``cpu`` on the CPU): u regenerated in
                 registers from the Philox stream, one pass over theta (and v).
@@ -11,9 +14,8 @@ optimizer step on one (device, dtype) group:
                 tangents with ``torch.randn`` each step (generated, written and read back: the cost a
                 user pays). Its LMO is torch.argmax per tensor, its gap a float32 torch.dot.
 * ``compile`` - ``torch.compile`` of that eager step (Inductor fuses the randn into its kernels).
-* ``copy``    - the roofline: a device-to-device copy of the bytes the step must move (theta and v:
-                16 bytes per float32 parameter for AFGFW, theta only: 8 bytes for FGFW), measured in
-                the same run.
+* ``copy``    - the roofline: a device-to-device copy of the bytes the step must move (the mode's
+                bytes per parameter above), measured in the same run.
 
 Reported per row: time per step (median and best of the repeats), effective bandwidth (bytes per
 parameter x parameters / median time), the fraction of the copy's bandwidth, and speed-ups (of
@@ -23,10 +25,12 @@ table.
   python bench/kernel_bench.py                           # GPU if there is one, else the CPU
   python bench/kernel_bench.py --device cpu --sizes 1e4 1e5 1e6 1e7
   python bench/kernel_bench.py --backends fused,triton,eager,compile,copy
+  python bench/kernel_bench.py --sizes 1e6 1e7 1e8 --modes afgfw fgfw fw --mlp-rows   # scripts/gpu_check.sh
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import statistics
@@ -41,7 +45,8 @@ from fgfw import _ops
 from fgfw.experiments import write_csv
 
 HERE = Path(__file__).resolve().parent
-MODES = {"afgfw": True, "fgfw": False}  # mode -> with momentum
+# mode -> (with momentum, with a backprop gradient, bytes moved per float32 parameter)
+MODES = {"afgfw": (True, False, 16), "fgfw": (False, False, 8), "fw": (False, True, 12)}
 ALL_BACKENDS = ("fused", "triton", "eager", "compile", "copy")
 
 
@@ -55,50 +60,87 @@ def model_shapes(width: int, layers: int = 16, vocab: int = 32_000, context: int
     return shapes + [(width,), (width,), (width, width), (width,), (vocab, width), (vocab,)]
 
 
-class Group:
-    """One (device, float32) parameter group with its momentum and the op's per-step arguments."""
+def mlp_shapes(width: int = 1024, layers: int = 12) -> list[tuple[int, ...]]:
+    """A width x width MLP of `layers` layers: weight and bias of each (24 tensors, 12.6 M parameters)."""
+    return [s for _ in range(layers) for s in ((width, width), (width,))]
 
-    def __init__(self, shapes, device, momentum: bool, tangents: int):
+
+class Group:
+    """One (device, float32) parameter group with its momentum / gradients and the op's per-step arguments.
+
+    rows=True: one L1 ball per row of every matrix (``L1Ball(scope="row")``), given to the op as row views,
+    as the optimizer does.
+    """
+
+    def __init__(self, shapes, device, mode: str, tangents: int, rows: bool = False):
+        momentum, with_grad, _ = MODES[mode]
         gen = torch.Generator(device=device).manual_seed(0)
         self.params = [0.01 * torch.randn(s, device=device, generator=gen) for s in shapes]
         self.moms = [torch.zeros(s, device=device) for s in shapes] if momentum else []
+        self.grads = [torch.randn(s, device=device, generator=gen) for s in shapes] if with_grad else []
+        self.rows = rows
         self.numel = sum(p.numel() for p in self.params)
         self.offsets, start = [], 0
         for p in self.params:
+            # as the optimizer: every tensor starts at a Philox call (a multiple of 4) of the stream
             self.offsets.append(start)
-            start += p.numel()
+            start += -(-p.numel() // 4) * 4
         # alpha is small so that hundreds of timed steps keep the parameters far from denormals
         self.schedule = torch.tensor([1.0, 1e-3, 0.1], dtype=torch.float64, device=device)
         self.coeffs = torch.linspace(0.5, -0.5, tangents, dtype=torch.float64, device=device)
         self.radii = [1.0] * len(self.params)
         self.gap = torch.zeros((), dtype=torch.float64, device=device)
 
+    def op_args(self):
+        """(params, momentum, grads, radii, offsets) as the fused op takes them: row views for row balls."""
+        if not self.rows:
+            return self.params, self.moms, self.grads, self.radii, self.offsets
+        split = [[], [], [], [], []]
+        for t, p in enumerate(self.params):
+            views = list(p.unbind(0)) if p.dim() >= 2 else [p]
+            split[0] += views
+            split[1] += list(self.moms[t].unbind(0)) if self.moms and p.dim() >= 2 else self.moms[t:t + 1]
+            split[2] += list(self.grads[t].unbind(0)) if self.grads and p.dim() >= 2 else self.grads[t:t + 1]
+            split[3] += [1.0] * len(views)
+            split[4] += [self.offsets[t] + i * views[0].numel() for i in range(len(views))]
+        return split
+
 
 def fused_step(group: Group, backend: str):
+    params, moms, grads, radii, offsets = group.op_args()
+
     def step():
-        _ops.l1_fw_step_(group.params, group.moms, [], group.schedule, group.coeffs, group.radii, False,
-                         group.offsets, 0, fgfw.reference.GAUSSIAN, group.gap, backend=backend)
+        _ops.l1_fw_step_(params, moms, grads, group.schedule, group.coeffs, radii, False, offsets, 0,
+                         fgfw.reference.GAUSSIAN, group.gap, backend=backend)
     return step
 
 
-def eager_step(params, moms, coeffs: list[float], radii: list[float], alpha: float, gamma: float):
-    """The AFGFW (moms given) or FGFW step in per-tensor torch ops; returns the Frank-Wolfe gap."""
+def eager_step(params, moms, grads, coeffs: list[float], radii: list[float], alpha: float, gamma: float,
+               rows: bool):
+    """The step in per-tensor torch ops (AFGFW with moms, FW with grads, else FGFW); returns the gap.
+
+    rows=True: one ball per row of each matrix, its argmax a per-row reduction (vectorised over rows)."""
     gap = params[0].new_zeros(())
     for t, (p, r) in enumerate(zip(params, radii)):
-        g = None
-        for c in coeffs:
-            term = c * torch.randn_like(p)
-            g = term if g is None else g + term
+        if grads:
+            g = grads[t]
+        else:
+            g = None
+            for c in coeffs:
+                term = c * torch.randn_like(p)
+                g = term if g is None else g + term
         if moms:
             d = moms[t].mul_(1 - gamma).add_(g, alpha=gamma)
         else:
             d = g
-        flat_d, flat_p = d.view(-1), p.view(-1)
-        i = torch.argmax(flat_d.abs())
-        d_i = flat_d[i]
-        gap = gap + torch.dot(flat_d, flat_p) + r * d_i.abs()
+        by_row = rows and p.dim() >= 2
+        # one ball per row of a matrix (rows=True), else the whole tensor as one row
+        d2, p2 = (d.view(d.shape[0], -1), p.view(p.shape[0], -1)) if by_row else (d.view(1, -1), p.view(1, -1))
+        i = torch.argmax(d2.abs(), dim=1, keepdim=True)
+        d_i = torch.gather(d2, 1, i)
+        gap = gap + torch.sum(d2 * p2) + r * d_i.abs().sum()
         p.mul_(1 - alpha)
-        flat_p[i] += alpha * (-r * torch.sign(d_i))
+        p2.scatter_add_(1, i, alpha * (-r * torch.sign(d_i)))
     return gap
 
 
@@ -108,13 +150,13 @@ def torch_step(group: Group, compiled: bool):
     fn = torch.compile(eager_step) if compiled else eager_step
 
     def step():
-        fn(group.params, group.moms, coeffs, group.radii, alpha, gamma)
+        fn(group.params, group.moms, group.grads, coeffs, group.radii, alpha, gamma, group.rows)
     return step
 
 
-def copy_step(group: Group, momentum: bool):
-    # the bytes the step must move: theta (and v) read once and written once
-    src = torch.empty(group.numel * (2 if momentum else 1), device=group.params[0].device)
+def copy_step(group: Group, mode: str):
+    # the bytes the step must move (MODES), as one float32 buffer copied: half read, half written
+    src = torch.empty(group.numel * MODES[mode][2] // 8, device=group.params[0].device)
     dst = torch.empty_like(src)
     return lambda: dst.copy_(src)
 
@@ -156,9 +198,9 @@ def time_cpu(steps: dict, min_time: float, warmup: int) -> dict[str, list[float]
     return times
 
 
-def fits(numel: int, device: str, momentum: bool, backends) -> bool:
+def fits(numel: int, device: str, mode: str, backends) -> bool:
     """Whether a group of numel float32 parameters and the baselines' temporaries fit in memory."""
-    state = 4 * (2 if momentum else 1)
+    state = 4 * (1 + MODES[mode][0] + MODES[mode][1])
     # the CPU times every backend's group side by side, the GPU one at a time
     groups = len(backends) if device == "cpu" else 1
     # eager/compile temporaries (randn, g, |d|) and the copy's two buffers
@@ -181,57 +223,59 @@ def machine(device: str) -> str:
         ("" if torch.cuda.is_available() else ", no GPU")
 
 
-def make_step(backend: str, group: Group, device: str, momentum: bool):
+def make_step(backend: str, group: Group, device: str, mode: str):
     if backend == "fused":
         return fused_step(group, "cuda" if device == "cuda" else "cpu")
     if backend == "triton":
         return fused_step(group, "triton")
     if backend in ("eager", "compile"):
         return torch_step(group, compiled=backend == "compile")
-    return copy_step(group, momentum)
+    return copy_step(group, mode)
 
 
-def run_case(name, shapes, device, mode, backends, tangents, min_time, warmup):
-    momentum = MODES[mode]
-    bytes_per_param = 16 if momentum else 8
+def run_case(name, shapes, device, mode, backends, tangents, min_time, warmup, rows_scope=False):
+    bytes_per_param = MODES[mode][2]
     numel = sum(math.prod(s) for s in shapes)
     # compile's first calls compile (and may recompile once): keep them out of the timing
     warmup = max(warmup, 3) if "compile" in backends else warmup
+
+    def group():
+        return Group(shapes, device, mode, tangents, rows=rows_scope)
+
     if device == "cuda":
         # one backend at a time: the largest sizes fit only alone
         times = {}
         for backend in backends:
-            times[backend] = time_gpu(make_step(backend, Group(shapes, device, momentum, tangents), device, momentum),
-                                      min_time, warmup)
+            times[backend] = time_gpu(make_step(backend, group(), device, mode), min_time, warmup)
             torch.cuda.empty_cache()
     else:
-        steps = {b: make_step(b, Group(shapes, device, momentum, tangents), device, momentum) for b in backends}
+        steps = {b: make_step(b, group(), device, mode) for b in backends}
         times = time_cpu(steps, min_time, warmup)
     rows = {}
     for backend, samples in times.items():
         seconds = statistics.median(samples)
-        rows[backend] = dict(case=name, device=device, mode=mode, tangents=tangents, numel=numel,
+        rows[backend] = dict(device=machine(device), case=name, mode=mode, tangents=tangents, params=numel,
                              tensors=len(shapes), bytes_per_param=bytes_per_param, backend=backend,
-                             time_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
+                             median_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
                              gbps=numel * bytes_per_param / seconds / 1e9)
     for row in rows.values():
         row["frac_copy"] = row["gbps"] / rows["copy"]["gbps"] if "copy" in rows else math.nan
         for base in ("eager", "compile"):
-            row[f"speedup_vs_{base}"] = rows[base]["time_ms"] / row["time_ms"] if base in rows else math.nan
+            row[f"vs_{base}"] = rows[base]["median_ms"] / row["median_ms"] if base in rows else math.nan
     return list(rows.values())
 
 
 def markdown(rows) -> str:
-    lines = ["| case | mode | params | tensors | backend | median (ms) | best (ms) | GB/s | of copy | vs eager | "
+    lines = ["| case | mode | K | params | tensors | backend | median (ms) | best (ms) | GB/s | of copy | vs eager | "
              "vs compile |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         def num(x, fmt):
             return "" if isinstance(x, float) and math.isnan(x) else format(x, fmt)
-        lines.append(f"| {r['case']} | {r['mode']} | {r['numel']:.3g} | {r['tensors']} | {r['backend']} | "
-                     f"{num(r['time_ms'], '.4g')} | {num(r['best_ms'], '.4g')} | {num(r['gbps'], '.1f')} | "
-                     f"{num(r['frac_copy'], '.0%')} | "
-                     f"{num(r['speedup_vs_eager'], '.2f')} | {num(r['speedup_vs_compile'], '.2f')} |")
+        lines.append(f"| {r['case']} | {r['mode']} | {r['tangents']} | {r['params']:.3g} | {r['tensors']} | "
+                     f"{r['backend']} | {num(r['median_ms'], '.4g')} | {num(r['best_ms'], '.4g')} | "
+                     f"{num(r['gbps'], '.1f')} | {num(r['frac_copy'], '.0%')} | "
+                     f"{num(r['vs_eager'], '.2f')} | {num(r['vs_compile'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -244,9 +288,9 @@ def plot(rows, path: Path, title: str):
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         for backend in ALL_BACKENDS:
-            pts = sorted((r["numel"], r["gbps"]) for r in rows
+            pts = sorted((r["params"], r["gbps"]) for r in rows
                          if r["mode"] == mode and r["backend"] == backend and r["case"] == "single")
-            many = [(r["numel"], r["gbps"]) for r in rows
+            many = [(r["params"], r["gbps"]) for r in rows
                     if r["mode"] == mode and r["backend"] == backend and r["case"] != "single"]
             color = None
             if pts:
@@ -257,9 +301,9 @@ def plot(rows, path: Path, title: str):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("parameters")
-        ax.set_ylabel(f"effective GB/s ({16 if MODES[mode] else 8} B/param)")
-        models = {r["tensors"] for r in rows if r["case"] != "single"}
-        ax.set_title(f"{mode.upper()} step" + (f" (star: {models.pop()}-tensor model)" if models else ""))
+        ax.set_ylabel(f"effective GB/s ({MODES[mode][2]} B/param)")
+        ax.set_title(f"{mode.upper()} step" + (" (stars: many-tensor cases)" if any(
+            r["case"] != "single" for r in rows) else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(title)
@@ -283,11 +327,18 @@ def main(argv=None):
     parser.add_argument("--tangents", type=int, default=1, help="tangents per step (K), default 1")
     parser.add_argument("--model-width", type=int, default=None,
                         help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
+    parser.add_argument("--mlp-rows", action="store_true",
+                        help="add the 12 x 1024 MLP with one L1 ball per row (scope='row')")
+    parser.add_argument("--compile-single-only", action="store_true",
+                        help="time torch.compile on the single-tensor cases only (compiling the many-tensor "
+                             "steps takes minutes)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     parser.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None,
                         help="CSV path (default bench/figures/kernel_<device>.csv, next to the PNG)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in the CSV (--out) and add this run's after them")
     parser.add_argument("--figure", type=Path, default=None,
                         help="PNG path (default bench/figures/kernel_<device>.png)")
     args = parser.parse_args(argv)
@@ -311,29 +362,38 @@ def main(argv=None):
     width = args.model_width if args.model_width is not None else (768 if device == "cuda" else 128)
     min_time = args.min_time or (0.5 if device == "cuda" else 1.0)
 
-    cases = [("single", [(n,)]) for n in sizes]
+    cases = [("single", [(n,)], False) for n in sizes]
     if width:
-        cases.append((f"model-{len(model_shapes(width))}", model_shapes(width)))
+        cases.append((f"model-{len(model_shapes(width))}", model_shapes(width), False))
+    if args.mlp_rows:
+        cases.append(("mlp12x1024-rows", mlp_shapes(), True))
     title = f"fgfw l1_fw_step_ on {machine(device)}, K={args.tangents}"
     print(f"# {title}; torch {torch.__version__}; eager/compile tangents: torch.randn per step", file=sys.stderr)
 
     rows = []
     for mode in args.modes:
-        for name, shapes in cases:
+        for name, shapes, rows_scope in cases:
             numel = sum(math.prod(s) for s in shapes)
-            if not fits(numel, device, MODES[mode], backends):
+            if not fits(numel, device, mode, backends):
                 print(f"skip {name} {mode} {numel:.3g} params: not enough memory", file=sys.stderr)
                 continue
-            case_rows = run_case(name, shapes, device, mode, backends, args.tangents, min_time, args.warmup)
+            case_backends = [b for b in backends if not (b == "compile" and args.compile_single_only
+                                                         and name != "single")]
+            case_rows = run_case(name, shapes, device, mode, case_backends, args.tangents, min_time, args.warmup,
+                                 rows_scope)
             for r in case_rows:
-                print(f"{r['case']:>10} {mode:>6} {r['numel']:>11.3g} {r['backend']:>8} {r['time_ms']:10.4f} ms "
-                      f"{r['gbps']:8.1f} GB/s  copy {r['frac_copy']:5.0%}  x eager {r['speedup_vs_eager']:6.2f}",
-                      file=sys.stderr)
+                print(f"{r['case']:>15} {mode:>6} {r['params']:>11.3g} {r['backend']:>8} {r['median_ms']:10.4f} ms "
+                      f"{r['gbps']:8.1f} GB/s  copy {r['frac_copy']:5.0%}  x eager {r['vs_eager']:6.2f}",
+                      file=sys.stderr, flush=True)
             rows += case_rows
 
     out = args.out or HERE / "figures" / f"kernel_{device}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(out, rows)
+    earlier = []
+    if args.append and out.exists():
+        with open(out, newline="") as f:
+            earlier = list(csv.DictReader(f))
+    write_csv(out, earlier + rows)
     figure = args.figure or HERE / "figures" / f"kernel_{device}.png"
     plot(rows, figure, title)
     print(f"\n{title}\n\n{markdown(rows)}\n\nCSV: {out}\nPNG: {figure}")

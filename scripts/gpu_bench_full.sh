@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The long GPU benchmarks, for when a lease has time beyond scripts/gpu_check.sh (which builds the
+# extension; run it first, in the same command, or set PYTHONPATH to an fgfw built for this GPU):
+# the kernel benchmark at every size (1e4 .. 1e9 as memory allows), the training step, memory and
+# activity-estimator benchmarks. Results go to ${OUT:-results/gpu} (at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+timeout -k 10 600 python3 bench/kernel_bench.py --device cuda --backends fused,triton,eager,compile,copy \
+  --modes afgfw fgfw fw --mlp-rows --compile-single-only \
+  --out "$out/kernel_gpu_full.csv" --figure "$out/kernel_gpu_full.png" >"$out/kernel_gpu_full.log" 2>&1 || status=1
+timeout -k 10 600 python3 bench/train_step.py --device cuda --out "$out/train_step" >"$out/train_step_gpu.log" 2>&1 \
+  || status=1
+timeout -k 10 600 python3 bench/memory.py --device cuda --out "$out/memory_gpu.csv" >"$out/memory_gpu.log" 2>&1 \
+  || status=1
+timeout -k 10 600 python3 bench/activity.py --device cuda --out "$out/activity_gpu.csv" >"$out/activity_gpu.log" 2>&1 \
+  || status=1
+exit $status
