@@ -246,7 +246,11 @@ def run_case(name, shapes, device, mode, backends, tangents, min_time, warmup, r
         # one backend at a time: the largest sizes fit only alone
         times = {}
         for backend in backends:
-            times[backend] = time_gpu(make_step(backend, group(), device, mode), min_time, warmup)
+            try:
+                times[backend] = time_gpu(make_step(backend, group(), device, mode), min_time, warmup)
+            except (RuntimeError, ValueError, NotImplementedError) as exc:  # reported, and the run goes on
+                print(f"FAILED {name} {mode} {backend}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                      file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
     else:
         steps = {b: make_step(b, group(), device, mode) for b in backends}
@@ -329,9 +333,9 @@ def main(argv=None):
                         help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
     parser.add_argument("--mlp-rows", action="store_true",
                         help="add the 12 x 1024 MLP with one L1 ball per row (scope='row')")
-    parser.add_argument("--compile-single-only", action="store_true",
-                        help="time torch.compile on the single-tensor cases only (compiling the many-tensor "
-                             "steps takes minutes)")
+    parser.add_argument("--compile-sizes", nargs="+", type=float, default=None,
+                        help="time torch.compile only on the single-tensor cases of these sizes (each size "
+                             "compiles anew; the many-tensor steps take minutes to compile; default: every case)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     parser.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
@@ -377,8 +381,9 @@ def main(argv=None):
             if not fits(numel, device, mode, backends):
                 print(f"skip {name} {mode} {numel:.3g} params: not enough memory", file=sys.stderr)
                 continue
-            case_backends = [b for b in backends if not (b == "compile" and args.compile_single_only
-                                                         and name != "single")]
+            compile_here = args.compile_sizes is None or (name == "single" and numel in
+                                                          {int(x) for x in args.compile_sizes})
+            case_backends = [b for b in backends if b != "compile" or compile_here]
             case_rows = run_case(name, shapes, device, mode, case_backends, args.tangents, min_time, args.warmup,
                                  rows_scope)
             for r in case_rows:

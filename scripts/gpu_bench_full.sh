@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
 timeout -k 10 600 python3 bench/kernel_bench.py --device cuda --backends fused,triton,eager,compile,copy \
-  --modes afgfw fgfw fw --mlp-rows --compile-single-only \
+  --modes afgfw fgfw fw --mlp-rows --compile-sizes 1e6 1e8 \
   --out "$out/kernel_gpu_full.csv" --figure "$out/kernel_gpu_full.png" >"$out/kernel_gpu_full.log" 2>&1 || status=1
 timeout -k 10 600 python3 bench/train_step.py --device cuda --out "$out/train_step" >"$out/train_step_gpu.log" 2>&1 \
   || status=1
