@@ -39,10 +39,18 @@ void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t dist
   check_distribution("fill_tangent_", distribution);
 }
 
+void check_step_tensor(const at::Tensor& out, const at::Tensor& step) {
+  TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1,
+              "fill_tangent_at_step_: step must be an int64 tensor of one element (the step counter), got ",
+              step.scalar_type(), " of shape ", step.sizes());
+  TORCH_CHECK(step.device() == out.device() || step.is_cpu(), "fill_tangent_at_step_: step must be on ",
+              out.device(), " like out, or on the CPU, got ", step.device());
+}
+
 void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
                            const at::Tensor& schedule, const at::Tensor& tangent_coeffs,
                            c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
-                           int64_t distribution, const at::Tensor& gap) {
+                           int64_t distribution, const at::Tensor& gap, c10::IntArrayRef row_numel) {
   const size_t n = params.size();
   const c10::Device device = n ? params[0].device() : schedule.device();
   const bool forward_gradient = grads.empty();
@@ -53,12 +61,26 @@ void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::T
   TORCH_CHECK(grads.empty() || grads.size() == n,
               "l1_fw_step_: grads must be empty (forward gradient) or hold one tensor per parameter (", n,
               "), got ", grads.size());
+  TORCH_CHECK(row_numel.empty() || row_numel.size() == n,
+              "l1_fw_step_: row_numel must be empty or hold one row length per parameter (", n, "), got ",
+              row_numel.size());
+  int64_t balls = 0;
+  for (size_t t = 0; t < n; ++t) {
+    const int64_t length = row_length(row_numel, t), numel = params[t].numel();
+    TORCH_CHECK(length >= 0 && (length == 0 || numel % length == 0), "l1_fw_step_: row_numel[", t,
+                "] must be 0 (one ball) or a row length that divides the ", numel, " elements of params[", t,
+                "], got ", length);
+    TORCH_CHECK(!global_ball || length == 0,
+                "l1_fw_step_: row_numel must be all 0 for the global ball (one ball over every tensor)");
+    balls += num_balls(numel, length);
+  }
   if (global_ball) {
     TORCH_CHECK(radii.size() == 1, "l1_fw_step_: radii must hold one radius when global_ball is true, got ",
                 radii.size());
   } else {
-    TORCH_CHECK(radii.size() == n, "l1_fw_step_: radii must hold one radius per parameter (", n, "), got ",
-                radii.size());
+    TORCH_CHECK(static_cast<int64_t>(radii.size()) == balls, "l1_fw_step_: radii must hold one radius per ball (",
+                balls, row_numel.empty() ? ", one per parameter" : ", one per row of each tensor with a row_numel",
+                "), got ", radii.size());
   }
   for (size_t r = 0; r < radii.size(); ++r) {
     TORCH_CHECK(std::isfinite(radii[r]) && radii[r] > 0, "l1_fw_step_: radii[", r,

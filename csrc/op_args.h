@@ -16,12 +16,25 @@ inline at::ScalarType compute_dtype(at::ScalarType param_dtype) {
 // Throws c10::Error (RuntimeError in Python) naming the offending argument.
 void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t distribution);
 
+// The step tensor of fill_tangent_at_step_: a 0-dim int64 tensor on out's device or on the CPU.
+void check_step_tensor(const at::Tensor& out, const at::Tensor& step);
+
 // Same for l1_fw_step_; every tensor must be on the device of params[0] (of schedule when params
 // is empty). Does not read any tensor's data, so it never synchronises a device.
 void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
                            const at::Tensor& schedule, const at::Tensor& tangent_coeffs,
                            c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
-                           int64_t distribution, const at::Tensor& gap);
+                           int64_t distribution, const at::Tensor& gap, c10::IntArrayRef row_numel);
+
+// The row length of tensor t's balls: 0 when the tensor is one ball (row_numel empty or 0).
+inline int64_t row_length(c10::IntArrayRef row_numel, size_t t) {
+  return row_numel.empty() ? 0 : row_numel[t];
+}
+
+// The number of balls of a tensor of numel elements whose balls are rows of row_length elements.
+inline int64_t num_balls(int64_t numel, int64_t row_length) {
+  return row_length == 0 ? 1 : numel / row_length;
+}
 
 // Runs write(dst) on out itself when it is contiguous, else on a contiguous copy that is copied
 // back: kernels address elements by flat index, while the op's contract is out's logical order.

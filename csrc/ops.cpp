@@ -6,12 +6,17 @@ TORCH_LIBRARY(fgfw, m) {
   // Writes the tangent stream for out's elements (flat order, stream index offset + j).
   // distribution: 0 = Gaussian (Box-Muller, float32), 1 = Rademacher.
   m.def("fill_tangent_(Tensor(a!) out, int seed, int step, int tangent_id, int offset, int distribution) -> ()");
+  // The same at the step held by a 0-dim int64 tensor (the optimizers' counter) on out's device, or on
+  // the CPU: a GPU kernel reads it there, so a step needs no host read and replays in a CUDA graph.
+  m.def("fill_tangent_at_step_(Tensor(a!) out, int seed, Tensor step, int tangent_id, int offset, "
+        "int distribution) -> ()");
   // One fused Frank-Wolfe step over L1 ball(s) for a group of same-device, same-dtype tensors.
   // schedule: float64 (step, alpha, gamma) on the params' device; tangent_coeffs: float64 [K];
   // grads empty -> forward gradient from the tangent stream; momentum empty -> no momentum;
-  // gap: float64 scalar, receives the Frank-Wolfe gap.
+  // gap: float64 scalar, receives the Frank-Wolfe gap. row_numel: per tensor, 0 (the tensor is one
+  // ball) or the length of its row balls (scope "row"); empty = all 0. radii: one per ball, in order.
   m.def(
       "l1_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
-      "Tensor(c!) gap) -> ()");
+      "Tensor(c!) gap, int[] row_numel=[]) -> ()");
 }

@@ -1,5 +1,7 @@
 """What the CPU and CUDA kernel tests share: inputs, running the reference and a kernel on clones of
 them, and the comparison. Every kernel is checked against fgfw.reference on the same inputs."""
+import math
+
 import torch
 
 from fgfw import reference as ref
@@ -43,24 +45,26 @@ def clone(x):
     return out.copy_(x)
 
 
-def run_step(step, params, momentum, grads, *, schedule, coeffs, radii, global_ball, offsets, seed, distribution):
+def run_step(step, params, momentum, grads, *, schedule, coeffs, radii, global_ball, offsets, seed, distribution,
+             row_numel=()):
     """Runs one step on clones of the inputs (on the inputs' device); returns (params, momentum, gap)."""
     device = params[0].device if params else torch.device("cpu")
     p = [clone(x) for x in params]
     m = [clone(x) for x in momentum]
     gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
     step(p, m, [clone(g) for g in grads], torch.tensor(schedule, dtype=torch.float64, device=device),
-         torch.tensor(coeffs, dtype=torch.float64, device=device), radii, global_ball, offsets, seed, distribution, gap)
+         torch.tensor(coeffs, dtype=torch.float64, device=device), radii, global_ball, offsets, seed, distribution, gap,
+         list(row_numel))
     return p, m, gap
 
 
 def run_both(ops, params, momentum, grads, *, schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=None,
-             global_ball=False, offsets=None, seed=5, distribution=GAUSSIAN):
+             global_ball=False, offsets=None, seed=5, distribution=GAUSSIAN, row_numel=()):
     """The reference, then the kernel, on clones of the same inputs: [(params, momentum, gap)] * 2."""
     kwargs = dict(schedule=schedule, coeffs=coeffs, global_ball=global_ball, seed=seed, distribution=distribution,
                   radii=list(radii) if radii is not None else ([2.0] if global_ball else
                                                                [1.0 + t for t in range(len(params))]),
-                  offsets=flat_offsets(params) if offsets is None else offsets)
+                  offsets=flat_offsets(params) if offsets is None else offsets, row_numel=row_numel)
     return [run_step(step, params, momentum, grads, **kwargs) for step in (ref.l1_fw_step_, ops.l1_fw_step_)]
 
 
@@ -92,3 +96,26 @@ def check_backprop_gradient(ops, device, dtype, momentum, global_ball):
     params, moms, grads = make_group(SHAPES, dtype, momentum=momentum, grads=True, device=device)
     expected, got = run_both(ops, params, moms, grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT)
+
+
+# Row balls (scope "row"): a matrix of short rows, a 1-D tensor as one ball, a 3-D tensor with rows of 8,
+# rows longer than one CPU segment and one CUDA chunk (2 x 70,000), and an empty tensor with rows.
+ROW_SHAPES = [(6, 5), (13,), (3, 4, 2), (2, 70_000), (0, 3)]
+ROW_NUMEL = [5, 0, 8, 70_000, 3]
+
+
+def row_radii(shapes=ROW_SHAPES, row_numel=ROW_NUMEL):
+    """A different radius for every ball, so that a ball given another's radius shows."""
+    count = sum(1 if n == 0 else math.prod(s) // n for s, n in zip(shapes, row_numel))
+    return [0.5 + 0.25 * b for b in range(count)]
+
+
+def check_row_balls(ops, device, dtype, distribution, momentum, grads):
+    """A step over row balls equals the reference's: exactly where no transcendental function is involved."""
+    params, moms, grad_list = make_group(ROW_SHAPES, dtype, momentum=momentum, grads=grads, device=device, seed=11)
+    expected, got = run_both(ops, params, moms, grad_list, coeffs=(0.8, -0.3), radii=row_radii(),
+                             offsets=[] if grads else None, distribution=distribution, row_numel=ROW_NUMEL)
+    if grads or distribution == RADEMACHER:
+        assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+    else:
+        assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)

@@ -140,21 +140,23 @@ def test_triton_trajectory_equals_the_reference(tangent):
 def test_cpp_ops_pass_opcheck(fgfw_ops):
     """The fake implementations (fgfw/_fake.py) agree with the C++ kernels' schemas and aliasing."""
     torch.library.opcheck(fgfw_ops.fill_tangent_.default, (torch.empty(10), 3, 2, 1, 4, 1))
+    torch.library.opcheck(fgfw_ops.fill_tangent_at_step_.default, (torch.empty(10), 3, torch.tensor(2), 1, 4, 1))
     for grads in ([], [torch.randn(5), torch.randn(7)]):
         args = ([torch.randn(5), torch.randn(7)], [torch.zeros(5), torch.zeros(7)], grads,
                 torch.tensor([2.0, 0.5, 0.25], dtype=torch.float64), torch.tensor([0.3, -1.0], dtype=torch.float64),
                 [1.0, 2.0], False, [0, 8], 5, 0, torch.zeros((), dtype=torch.float64))
         torch.library.opcheck(fgfw_ops.l1_fw_step_.default, args)
+        # row balls: 5 = one ball, 7 = 7 rows of 1, one radius each
+        torch.library.opcheck(fgfw_ops.l1_fw_step_.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1]))
 
 
 def test_triton_and_counter_ops_pass_opcheck():
     _require("triton", TRITON_DEVICE)
     out = torch.empty(10, device=TRITON_DEVICE)
     torch.library.opcheck(torch.ops.fgfw_triton.fill_tangent_.default, (out, 3, 2, 1, 4, 1))
-    torch.library.opcheck(torch.ops.fgfw_host.fill_tangent_.default,
-                          (out, 3, torch.tensor(2), 1, 4, 1, "triton"))
+    torch.library.opcheck(torch.ops.fgfw_triton.fill_tangent_at_step_.default, (out, 3, torch.tensor(2), 1, 4, 1))
     f64 = dict(dtype=torch.float64, device=TRITON_DEVICE)
     args = ([torch.randn(5, device=TRITON_DEVICE)], [torch.zeros(5, device=TRITON_DEVICE)], [],
             torch.tensor([2.0, 0.5, 0.25], **f64), torch.tensor([0.3], **f64), [1.0], True, [0], 5, 1,
-            torch.zeros((), **f64))
+            torch.zeros((), **f64), [])
     torch.library.opcheck(torch.ops.fgfw_triton.l1_fw_step_.default, args)

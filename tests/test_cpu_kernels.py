@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, SHAPES, assert_same_step,
-                          check_backprop_gradient, check_forward_gradient, flat_offsets, make_group, run_both)
+                          check_backprop_gradient, check_forward_gradient, check_row_balls, flat_offsets, make_group,
+                          run_both)
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
@@ -160,7 +161,7 @@ def _valid_args():
     return dict(params=params, momentum=[torch.zeros(4), torch.zeros(2, 3)], grads=[],
                 schedule=torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64),
                 tangent_coeffs=torch.tensor([1.0], dtype=torch.float64), radii=[1.0, 1.0], global_ball=False,
-                offsets=[0, 4], seed=0, distribution=GAUSSIAN, gap=torch.zeros((), dtype=torch.float64))
+                offsets=[0, 4], seed=0, distribution=GAUSSIAN, gap=torch.zeros((), dtype=torch.float64), row_numel=[])
 
 
 BAD_ARGS = {
@@ -193,6 +194,11 @@ BAD_ARGS = {
     "distribution": (dict(distribution=3), "distribution"),
     "gap dtype": (dict(gap=torch.zeros(())), "gap"),
     "gap size": (dict(gap=torch.zeros(2, dtype=torch.float64)), "gap"),
+    "row_numel length": (dict(row_numel=[3]), "row_numel"),
+    "row_numel not dividing": (dict(row_numel=[0, 4]), r"row_numel\[1\]"),
+    "row_numel negative": (dict(row_numel=[-2, 0]), r"row_numel\[0\]"),
+    "row_numel with global ball": (dict(row_numel=[2, 0], radii=[1.0], global_ball=True), "global ball"),
+    "radii per row": (dict(row_numel=[2, 3]), "radii must hold one radius per ball"),
 }
 
 
@@ -221,3 +227,21 @@ def test_inf_and_nan_far_into_a_large_tensor(fgfw_ops, dtype, global_ball):
     grads[0][60_000] = float("nan")
     expected, got = run_both(fgfw_ops, params, [], grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT)
+
+
+@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_balls_match_reference(fgfw_ops, dtype, distribution, momentum, grads):
+    check_row_balls(fgfw_ops, "cpu", dtype, distribution, momentum, grads)
+
+
+def test_row_balls_tie_lowest_index_of_each_row(fgfw_ops):
+    # every |d| ties within a row: each row's own first element takes the vertex step
+    params = [torch.full((3, 4), 0.01)]
+    grads = [torch.tensor([[1.0, -1.0, 1.0, 1.0], [-2.0, 2.0, 2.0, -2.0], [0.5, 0.5, -0.5, 0.5]])]
+    expected, got = run_both(fgfw_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0, 3.0], offsets=[],
+                             row_numel=[4])
+    assert_same_step(expected, got, EXACT)
+    assert got[0][0][:, 0].tolist() == pytest.approx([0.005 - 0.5, 0.005 + 1.0, 0.005 - 1.5], rel=1e-6)

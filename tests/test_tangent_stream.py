@@ -230,6 +230,41 @@ def test_cpu_bad_arguments_are_named(fgfw_ops, out, offset, distribution, name):
         fgfw_ops.fill_tangent_(out, 0, 0, 0, offset, distribution)
 
 
+def test_error_messages_carry_their_numbers(fgfw_ops):
+    # A second, static libstdc++ inside the module (a toolchain that links it statically) breaks number
+    # formatting in c10::str: a segfault on one machine, a message without its number on another.
+    with pytest.raises(RuntimeError, match="offset must be >= 0, got -12345"):
+        fgfw_ops.fill_tangent_(torch.empty(4), 0, 0, 0, -12345, GAUSSIAN)
+
+
+def test_module_links_the_shared_libstdcxx(fgfw_ops):
+    """fgfw._C must use the process's shared libstdc++ (see the note in CMakeLists.txt), never carry a copy."""
+    import shutil
+    import subprocess
+
+    import fgfw._C
+    if shutil.which("ldd") is None:
+        pytest.skip("ldd is not installed")
+    needed = subprocess.run(["ldd", fgfw._C.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in needed, needed
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_cpu_fill_at_a_step_tensor_equals_the_int_step(fgfw_ops, distribution):
+    step = (1 << 33) + 17  # taken modulo 2^32 either way
+    expected = torch.empty(37)
+    fgfw_ops.fill_tangent_(expected, 9, step, 1, 6, distribution)
+    out = torch.full((37,), float("nan"))
+    fgfw_ops.fill_tangent_at_step_(out, 9, torch.tensor(step), 1, 6, distribution)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("step,name", [(torch.tensor(2.0), "int64"), (torch.tensor([1, 2]), "one element")])
+def test_cpu_fill_at_step_rejects_a_bad_counter(fgfw_ops, step, name):
+    with pytest.raises(RuntimeError, match=f"step must be an int64 tensor of one element.*"):
+        fgfw_ops.fill_tangent_at_step_(torch.empty(4), 0, step, 0, 0, GAUSSIAN)
+
+
 # ---- the CUDA kernel (skips without a GPU) -------------------------------------------------------
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
@@ -255,3 +290,22 @@ def test_cuda_equals_cpu_kernel_and_uses_current_stream(fgfw_cuda_ops):
     expected = torch.empty(6, 9).t()
     fgfw_cuda_ops.fill_tangent_(expected, 4, 1, 0, 2, RADEMACHER)
     assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_cuda_fill_at_a_device_step_equals_the_int_step_without_a_sync(fgfw_cuda_ops, distribution):
+    step = (1 << 33) + 17
+    expected = torch.empty(4099, device="cuda")
+    fgfw_cuda_ops.fill_tangent_(expected, 9, step, 1, 6, distribution)
+    counter = torch.tensor(step, device="cuda")
+    out = torch.full((4099,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the kernel reads the counter: no device-to-host copy
+    try:
+        fgfw_cuda_ops.fill_tangent_at_step_(out, 9, counter, 1, 6, distribution)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, expected)
+    on_host = torch.full((4099,), float("nan"), device="cuda")
+    fgfw_cuda_ops.fill_tangent_at_step_(on_host, 9, counter.cpu(), 1, 6, distribution)
+    assert torch.equal(on_host, expected)

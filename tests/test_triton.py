@@ -127,8 +127,9 @@ def _run_both(inputs, radii, global_ball, distribution=RADEMACHER, seed=2024):
         params = [p.clone() for p in inputs["params"]]
         momentum = [v.clone() for v in inputs["momentum"]]
         gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
-        step_fn(params, momentum, inputs["grads"], inputs["schedule"], inputs["tangent_coeffs"], radii,
-                global_ball, inputs["offsets"], seed, distribution, gap)
+        # the global ball takes one radius, as every backend's checks require
+        step_fn(params, momentum, inputs["grads"], inputs["schedule"], inputs["tangent_coeffs"],
+                radii[:1] if global_ball else radii, global_ball, inputs["offsets"], seed, distribution, gap)
         results.append((params, momentum, gap))
     return results
 
@@ -306,3 +307,15 @@ def test_step_rejects_radii_that_are_not_positive_and_finite(radius):
                                 torch.zeros(0, dtype=torch.float64, device=DEVICE), [radius], False, [0], 0, GAUSSIAN,
                                 gap)
     assert torch.equal(params[0], torch.ones(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+def test_fill_tangent_at_a_step_tensor_equals_the_int_step(distribution):
+    # the counter is taken modulo 2^32 like the int step, wherever the kernel reads it
+    step = (1 << 33) + 17
+    expected = torch.empty(37, device=DEVICE)
+    fgfw_triton.fill_tangent_(expected, 9, step, 1, 6, distribution)
+    for where in {DEVICE, torch.device("cpu")}:
+        out = torch.full((37,), float("nan"), device=DEVICE)
+        fgfw_triton.fill_tangent_at_step_(out, 9, torch.tensor(step, device=where), 1, 6, distribution)
+        assert torch.equal(out, expected)

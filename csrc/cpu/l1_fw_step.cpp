@@ -30,8 +30,9 @@ namespace fgfw {
 namespace {
 
 // The unit of parallel work and of partial results: a piece of at most kSegment elements of one
-// tensor. The split does not depend on the thread count and the partials are combined in index
-// order, so the results (argmax ties, the gap's rounding) are the same for any number of threads.
+// ball (a tensor, or one of its rows). The split does not depend on the thread count and the
+// partials are combined in index order, so the results (argmax ties, the gap's rounding) are the
+// same for any number of threads.
 constexpr int64_t kSegment = 1 << 14;
 // Below this many elements in the whole group, the step runs on the calling thread.
 constexpr int64_t kParallelMin = 1 << 15;
@@ -46,6 +47,7 @@ constexpr int kLanes = 8;
 struct Segment {
   size_t tensor;
   int64_t begin, end;
+  size_t ball;
 };
 
 template <typename acc_t>
@@ -210,19 +212,27 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
 
 template <typename scalar_t, Source kSource, bool kMomentum>
 void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
-                       const double* schedule, double* gap) {
+                       c10::IntArrayRef row_numel, const double* schedule, double* gap) {
   using acc_t = acc_type<scalar_t>;
   const at::TensorList params = args.params;
   const size_t n = params.size();
   const acc_t alpha = static_cast<acc_t>(schedule[1]);
 
+  // Balls in the order of their radii: tensors in order, rows in order within a tensor.
   std::vector<Segment> segments;
+  std::vector<size_t> ball_tensor;
   int64_t total = 0;
   for (size_t t = 0; t < n; ++t) {
     const int64_t numel = params[t].numel();
+    const int64_t length = row_length(row_numel, t) == 0 ? numel : row_length(row_numel, t);
     total += numel;
-    for (int64_t begin = 0; begin < numel; begin += kSegment) {
-      segments.push_back({t, begin, std::min(begin + kSegment, numel)});
+    for (int64_t row = 0; row < num_balls(numel, row_length(row_numel, t)); ++row) {
+      const size_t ball = ball_tensor.size();
+      ball_tensor.push_back(t);
+      const int64_t row_end = row * length + length;
+      for (int64_t begin = row * length; begin < row_end; begin += kSegment) {
+        segments.push_back({t, begin, std::min(begin + kSegment, row_end), ball});
+      }
     }
   }
   std::vector<Partial<acc_t>> partials(segments.size());
@@ -237,37 +247,38 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
     at::parallel_for(0, num_segments, 1, run_segments);
   }
 
-  std::vector<Partial<acc_t>> per_tensor(n);
+  std::vector<Partial<acc_t>> per_ball(ball_tensor.size());
   for (size_t s = 0; s < segments.size(); ++s) {
-    Partial<acc_t>& best = per_tensor[segments[s].tensor];
+    Partial<acc_t>& best = per_ball[segments[s].ball];
     best.dot += partials[s].dot;
     take_best(best, partials[s]);
   }
 
   double total_gap = 0;
-  for (const Partial<acc_t>& best : per_tensor) total_gap += best.dot;
+  for (const Partial<acc_t>& best : per_ball) total_gap += best.dot;
 
   // theta_i* += alpha * s_i* with s = -r sign(d_i*) e_i*; returns the vertex's gap term r |d_i*|.
-  auto vertex_update = [&](size_t t, double radius) {
-    const Partial<acc_t>& best = per_tensor[t];
-    scalar_t* theta = params[t].data_ptr<scalar_t>();
+  auto vertex_update = [&](size_t ball, double radius) {
+    const Partial<acc_t>& best = per_ball[ball];
+    scalar_t* theta = params[ball_tensor[ball]].data_ptr<scalar_t>();
     const acc_t s = -static_cast<acc_t>(radius) * sign_of(best.best_d);
     theta[best.best_index] = static_cast<scalar_t>(static_cast<acc_t>(theta[best.best_index]) + alpha * s);
     return static_cast<double>(std::abs(best.best_d)) * radius;
   };
 
   if (global_ball) {
-    // Tensors in parameter order: the first tensor holding the maximum has the lowest global index.
+    // One ball per tensor here (row_numel is all 0), in parameter order: the first tensor holding
+    // the maximum has the lowest global index.
     size_t winner = n;
     for (size_t t = 0; t < n; ++t) {
-      if (per_tensor[t].best_index >= 0 && (winner == n || beats(per_tensor[t].best_abs, per_tensor[winner].best_abs))) {
+      if (per_ball[t].best_index >= 0 && (winner == n || beats(per_ball[t].best_abs, per_ball[winner].best_abs))) {
         winner = t;
       }
     }
     if (winner < n) total_gap += vertex_update(winner, radii[0]);
   } else {
-    for (size_t t = 0; t < n; ++t) {
-      if (per_tensor[t].best_index >= 0) total_gap += vertex_update(t, radii[t]);
+    for (size_t b = 0; b < per_ball.size(); ++b) {
+      if (per_ball[b].best_index >= 0) total_gap += vertex_update(b, radii[b]);
     }
   }
   *gap = total_gap;
@@ -275,9 +286,10 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 
 void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                     const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
-                    c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap) {
+                    c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                    c10::IntArrayRef row_numel) {
   check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                        gap);
+                        gap, row_numel);
   double* gap_out = gap.data_ptr<double>();
   if (params.empty()) {
     *gap_out = 0;
@@ -299,8 +311,8 @@ void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
       }
     }
     auto run = [&](auto source, auto with_momentum) {
-      l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(args, radii, global_ball,
-                                                                                          sched, gap_out);
+      l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
+          args, radii, global_ball, row_numel, sched, gap_out);
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });

@@ -58,10 +58,17 @@ void fill_tangent_cpu(const at::Tensor& out, int64_t seed, int64_t step, int64_t
   });
 }
 
+void fill_tangent_at_step_cpu(const at::Tensor& out, int64_t seed, const at::Tensor& step, int64_t tangent_id,
+                              int64_t offset, int64_t distribution) {
+  check_step_tensor(out, step);
+  fill_tangent_cpu(out, seed, step.item<int64_t>(), tangent_id, offset, distribution);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fgfw, CPU, m) {
   m.impl("fill_tangent_", &fill_tangent_cpu);
+  m.impl("fill_tangent_at_step_", &fill_tangent_at_step_cpu);
 }
 
 }  // namespace fgfw

@@ -42,14 +42,23 @@ using cuda::TensorTable;
 
 constexpr int kThreads = 256;
 constexpr int kFinalizeThreads = 512;
-// Groups a thread loads before it computes: two keep 2 x 32 bytes per thread in flight for AFGFW.
-constexpr int kUnroll = 2;
 
 // The table's lists.
 constexpr int kParamList = 0, kMomentumList = 1, kGradList = 2, kLists = 3;
 
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Groups a thread loads before it computes: 2 x 32 bytes of params and momentum in flight per
+// thread for float AFGFW; one double group already holds 64 bytes.
+template <typename scalar_t>
+constexpr int kUnroll = std::is_same_v<scalar_t, double> ? 1 : 2;
+// Chunk blocks per SM that __launch_bounds__ asks ptxas to make room for: 4 x kThreads caps a
+// thread at 64 registers, which every float-accumulating variant fits without spilling; the double
+// Gaussian step with momentum spills there and fits 3 (80 registers).
+// tests/test_kernel_resources.py holds the kernels to this.
+template <typename scalar_t>
+constexpr int kMinChunkBlocks = std::is_same_v<scalar_t, double> ? 3 : 4;
 
 __device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
@@ -214,7 +223,7 @@ __device__ void publish_balls(const TensorTable<kLists>& table, const Workspace&
 }
 
 template <typename scalar_t, Source kSource, bool kMomentum>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
     fw_chunks_kernel(const __grid_constant__ TensorTable<kLists> table, const double* __restrict__ schedule,
                      const double* __restrict__ coeffs, int num_tangents, int64_t seed, Workspace ws) {
   using acc_t = acc_type<scalar_t>;
@@ -234,36 +243,39 @@ __global__ void __launch_bounds__(kThreads)
     const int lead = table.lead[r];
     const bool vectorised = table.vectorised[r];
     const int64_t group_begin = (c - table.first_chunk[r]) * kChunkGroups;
-    const int64_t groups = cuda::num_groups(numel, lead);
-    const int64_t group_end = group_begin + kChunkGroups < groups ? group_begin + kChunkGroups : groups;
+    const int64_t groups_left = cuda::num_groups(numel, lead) - group_begin;
+    // Groups counted from the chunk's first, in 32 bits: 64-bit loop indices cost the AFGFW kernels
+    // registers that __launch_bounds__ leaves them no room for.
+    const int chunk_groups = static_cast<int>(groups_left < kChunkGroups ? groups_left : kChunkGroups);
+    const int64_t chunk_j0 = 4 * group_begin - lead;
+    const int64_t chunk_q = table.first_group[r] + group_begin;
 
     Candidate<acc_t> best = no_candidate<acc_t>();
-    for (int64_t g0 = group_begin + threadIdx.x; g0 < group_end; g0 += kUnroll * kThreads) {
+    for (int l0 = threadIdx.x; l0 < chunk_groups; l0 += kUnroll<scalar_t> * kThreads) {
       // All loads first, then the Philox work, so the memory latency hides behind the arithmetic.
-      Quad<scalar_t> theta_q[kUnroll], grad_q[kUnroll];
-      Quad<acc_t> v_q[kUnroll];
+      Quad<scalar_t> theta_q[kUnroll<scalar_t>], grad_q[kUnroll<scalar_t>];
+      Quad<acc_t> v_q[kUnroll<scalar_t>];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t g = g0 + u * kThreads;
-        if (g >= group_end) break;
-        const int64_t j0 = 4 * g - lead;
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const int l = l0 + u * kThreads;
+        if (l >= chunk_groups) break;
+        const int64_t j0 = chunk_j0 + 4 * l;
         const bool whole = vectorised && j0 >= 0 && j0 + 4 <= numel;
         theta_q[u] = load_group(theta, j0, numel, whole);
         if constexpr (kMomentum) v_q[u] = load_group(v, j0, numel, whole);
         if constexpr (kSource == Source::kGrad) grad_q[u] = load_group(grad, j0, numel, whole);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t g = g0 + u * kThreads;
-        if (g >= group_end) break;
-        const int64_t j0 = 4 * g - lead;
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const int l = l0 + u * kThreads;
+        if (l >= chunk_groups) break;
+        const int64_t j0 = chunk_j0 + 4 * l;
         acc_t dir[4];
         if constexpr (kSource == Source::kGrad) {
 #pragma unroll
           for (int lane = 0; lane < 4; ++lane) dir[lane] = static_cast<acc_t>(grad_q[u].x[lane]);
         } else {
-          forward_gradient<kSource>(dir, static_cast<uint64_t>(table.first_group[r] + g), seed, step, coeffs,
-                                    num_tangents);
+          forward_gradient<kSource>(dir, static_cast<uint64_t>(chunk_q + l), seed, step, coeffs, num_tangents);
         }
 #pragma unroll
         for (int lane = 0; lane < 4; ++lane) {
@@ -450,9 +462,12 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
 
 void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                      const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
-                     c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap) {
+                     c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                     c10::IntArrayRef row_numel) {
   check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                        gap);
+                        gap, row_numel);
+  TORCH_CHECK(std::all_of(row_numel.begin(), row_numel.end(), [](int64_t n) { return n == 0; }),
+              "l1_fw_step_: row balls (row_numel) are not implemented on CUDA yet");
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
   if (params.empty()) {
     gap.zero_();

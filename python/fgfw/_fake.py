@@ -20,7 +20,12 @@ def _fill_tangent_fake(out, seed, step, tangent_id, offset, distribution) -> Non
     return None
 
 
+@torch.library.register_fake("fgfw::fill_tangent_at_step_")
+def _fill_tangent_at_step_fake(out, seed, step, tangent_id, offset, distribution) -> None:
+    return None
+
+
 @torch.library.register_fake("fgfw::l1_fw_step_")
 def _l1_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                     distribution, gap) -> None:
+                     distribution, gap, row_numel=()) -> None:
     return None

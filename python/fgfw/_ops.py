@@ -98,16 +98,19 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
                   distribution: int, backend: str) -> torch.Tensor:
     """Writes the tangent stream into ``out`` (see ``reference.fill_tangent_``) and returns ``out``.
 
-    ``step`` is an int, or the optimizers' step counter: a 0-dim integer CPU tensor, whose value is read
-    on the host (no device synchronisation) when the tangent is written.
+    ``step`` is an int, or the optimizers' step counter: a 0-dim int64 tensor on ``out``'s device (or on
+    the CPU) that the kernel reads where it lies, so that a step needs no host read: no device
+    synchronisation, one graph under torch.compile for every step, and a CUDA graph that replays it
+    draws the tangents of the step the counter holds then.
     """
     if isinstance(step, torch.Tensor):
-        if torch.compiler.is_compiling():
-            # The op reads the value when the graph runs, so the graph takes the counter, not its value,
-            # and is not specialised (recompiled) for every step.
-            torch.ops.fgfw_host.fill_tangent_(out, seed, step, tangent_id, offset, distribution, backend)
-            return out
-        step = int(step)
+        if backend in ("cpu", "cuda"):
+            torch.ops.fgfw.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
+        elif backend == "triton":
+            torch.ops.fgfw_triton.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
+        else:
+            reference.fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)
+        return out
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     elif backend == "triton":
@@ -118,25 +121,14 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
 
 
 def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-                gap, backend: str) -> None:
+                gap, backend: str, row_numel=()) -> None:
     """One fused L1-ball Frank-Wolfe step (see ``reference.l1_fw_step_``) on ``backend``."""
     args = (list(params), list(momentum), list(grads), schedule, tangent_coeffs, [float(r) for r in radii],
-            bool(global_ball), [int(o) for o in offsets], int(seed), int(distribution), gap)
+            bool(global_ball), [int(o) for o in offsets], int(seed), int(distribution), gap,
+            [int(n) for n in row_numel])
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.l1_fw_step_(*args)
     elif backend == "triton":
         torch.ops.fgfw_triton.l1_fw_step_(*args)
     else:
         reference.l1_fw_step_(*args)
-
-
-@torch.library.custom_op("fgfw_host::fill_tangent_", mutates_args=("out",))
-def _fill_tangent_at_counter_(out: torch.Tensor, seed: int, step: torch.Tensor, tangent_id: int, offset: int,
-                              distribution: int, backend: str) -> None:
-    """``fill_tangent_`` at the step held by the CPU tensor ``step``: what a torch.compile'd step calls."""
-    fill_tangent_(out, seed, int(step), tangent_id, offset, distribution, backend)
-
-
-@_fill_tangent_at_counter_.register_fake
-def _(out, seed, step, tangent_id, offset, distribution, backend) -> None:
-    return None

@@ -30,29 +30,27 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all())
 
 
+def _device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x as a float64 0-dim tensor on device: a tensor is moved (a no-op where it lies), a number is
+    written by a fill kernel rather than copied from the host."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, torch.float64)
+    return torch.full((), float(x), dtype=torch.float64, device=device)
+
+
 def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
 
 
-def _split_rows(params, grads, moms, radii, starts):
-    """Scope "row": every ball (a row, see ``L1Ball.rows``) becomes its own tensor of the fused op.
+def _row_balls(params, grads, moms, radii, starts):
+    """Scope "row": the op's row_numel (each tensor's row length, see ``L1Ball.rows``) and one radius per row.
 
-    Rows of a contiguous tensor are contiguous views of its memory, so the op updates the parameter in
-    place; row i of a tensor starting at stream index o starts at o + i * row numel, so the tangents are
-    exactly those of the whole tensor.
+    Empty tensors have no ball and are left out (nothing of theirs moves).
     """
-    split = [], [], [], [], []
-    for t, p in enumerate(params):
-        rows = L1Ball.rows(p)
-        split[0].extend(rows)
-        if grads:
-            split[1].extend(L1Ball.rows(grads[t].reshape(p.shape)))
-        if moms:
-            split[2].extend(L1Ball.rows(moms[t]))
-        split[3].extend(radii[t])
-        row_numel = p.numel() // len(rows) if rows else 0
-        split[4].extend(starts[t] + i * row_numel for i in range(len(rows)))
-    return split
+    keep = [t for t, p in enumerate(params) if p.numel()]
+    row_numel = [params[t][0].numel() if params[t].dim() >= 2 else 0 for t in keep]
+    pick = lambda xs: [xs[t] for t in keep] if xs else xs  # noqa: E731
+    return (pick(params), pick(grads), pick(moms), [r for t in keep for r in radii[t]], pick(starts), row_numel)
 
 
 class _FrankWolfeBase(torch.optim.Optimizer):
@@ -62,9 +60,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if not isinstance(constraint, L1Ball):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
                             f"got {type(constraint).__name__}")
-        # k of the last step taken (the next step is k + 1): a CPU tensor advanced in place, so that a
-        # torch.compile'd step reads and advances it inside one graph (a Python int would be specialised,
-        # one compilation per k), and reading it as an int for a tangent costs no device synchronisation.
+        # k of the last step taken (the next step is k + 1): a tensor advanced in place on the device of the
+        # first parameter, so that a torch.compile'd step reads and advances it inside one graph (a Python
+        # int would be specialised, one compilation per k), the kernels read it where it lies (no host
+        # synchronisation) and a CUDA graph that replays a step advances it too.
         self._step_count_k = torch.zeros((), dtype=torch.int64)
         self.check_finite = bool(check_finite)
         # What a step reports goes into a dict: torch.compile (dynamo) drops attribute assignments to an
@@ -72,6 +71,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         defaults = dict(defaults, constraint=constraint, backend=backend)
         super().__init__(params, defaults)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is not None:
+            self._step_count_k = self._step_count_k.to(first.device)
 
     @property
     def last_gap(self) -> torch.Tensor | None:
@@ -158,7 +160,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
         k is the step counter tensor; named schedules come out as float64 tensors (schedules.evaluate).
         """
-        k = k.to(torch.float64)
+        k = k.to(torch.float64)  # on the counter's device: named schedules stay there (schedules.evaluate)
         plan = []
         for group in self.param_groups:
             alpha = schedules.evaluate(group["step_size"], k, "step_size")
@@ -187,7 +189,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             buckets: dict[torch.dtype, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault(p.dtype, []).append(i)
-            schedule = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (k, alpha, gamma)]).to(device)
+            # (k, alpha_k, gamma_k) made on the device: no host-to-device copy, so a step can be captured
+            schedule = torch.stack([_device_scalar(x, device) for x in (k, alpha, gamma)])
             coeffs = (tangent_coeffs.to(device) if tangent_coeffs is not None
                       else torch.zeros(0, dtype=torch.float64, device=device))
             for dtype, indices in buckets.items():
@@ -209,11 +212,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                         moms.append(state["momentum"])
                 radii = group["radii"] if constraint.global_ball else [group["radii"][i] for i in indices]
                 starts = [offsets.get(id(p), 0) for p in ps]
+                row_numel = []
                 if constraint.scope == "row":
-                    ps, grads, moms, radii, starts = _split_rows(ps, grads, moms, radii, starts)
+                    ps, grads, moms, radii, starts, row_numel = _row_balls(ps, grads, moms, radii, starts)
                 gap = torch.zeros((), dtype=torch.float64, device=device)
                 _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs, radii, constraint.global_ball, starts, seed,
-                                 distribution, gap, backend=backend)
+                                 distribution, gap, backend=backend, row_numel=row_numel)
                 gaps.append(gap)
         # summed where the first group lives: no host synchronisation
         self.last_gap = None
@@ -387,7 +391,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             """``out`` filled with tangent ``tangent_id`` of step k from ``offset`` of the stream."""
             if out.device not in backends:
                 backends[out.device] = _ops.resolve_backend(self.param_groups[0]["backend"], out.device)
-            return _ops.fill_tangent_(out, self.seed, k, tangent_id, offset, distribution, backends[out.device])
+            return _ops.fill_tangent_(out, self.seed, k.to(out.device), tangent_id, offset, distribution,
+                                      backends[out.device])
 
         def tangent_maker(tangent_id: int):
             return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)

@@ -134,15 +134,19 @@ def direction(param: torch.Tensor, grad: torch.Tensor | None, tangent_coeffs: to
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float],
                 global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
-                gap: torch.Tensor) -> None:
+                gap: torch.Tensor, row_numel: Sequence[int] = ()) -> None:
     """One Frank-Wolfe step over the L1 ball(s), in place. The spec of the fused kernels.
 
     * ``schedule`` = float64 tensor (step k, alpha_k, gamma_k).
     * direction g: ``grads[t]`` if grads are given (backprop FW), else the forward gradient
       sum_k tangent_coeffs[k] * u_k regenerated from (seed, step, k, offsets[t] + j).
     * momentum given: v = (1 - gamma) v + gamma g, d = v (AFGFW / FW with momentum); else d = g (FGFW).
-    * LMO: per tensor (``radii[t]``) or one ball over all tensors (``global_ball``, ``radii[0]``):
-      i* = argmax |d_i| (lowest index wins ties), s = -r sign(d_i*) e_i*.
+    * balls: one per tensor, or one over all tensors (``global_ball``), or, where ``row_numel[t]`` = n > 0,
+      one per run of n consecutive elements of tensor t (its rows: n must divide its numel; scope
+      "row"). ``radii`` holds one radius per ball in order (tensors in order, rows in order within a
+      tensor); one for the global ball. ``row_numel`` empty means 0 for every tensor.
+    * LMO per ball of radius r: i* = argmax |d_i| over the ball (lowest index wins ties),
+      s = -r sign(d_i*) e_i*.
     * theta <- (1 - alpha) theta + alpha s.
     * ``gap`` <- the Frank-Wolfe gap <d, theta - s> at the old theta, summed over balls.
     """
@@ -152,6 +156,9 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         # tensors sharing offset 0 would share tangent values: a biased estimate, never what is meant
         raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
                          f"gradient, got {len(offsets)}")
+    balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
+    if len(radii) != (1 if global_ball else len(balls)):
+        raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
     directions = []
     total_gap = 0.0
     for t, p in enumerate(params):
@@ -171,6 +178,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         p.copy_(((1 - alpha_c) * p.to(cdt)).to(p.dtype))
 
     def vertex_update(t: int, i: int, r: float) -> float:
+        """theta_i* += alpha s_i* for element i of tensor t; returns the vertex's share r |d_i*| of the gap."""
         d_i = directions[t][i]
         p_flat = params[t].view(-1)
         cdt = compute_dtype(p_flat.dtype)
@@ -186,9 +194,35 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
             t = live[best]
             total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[0])
     else:
-        for t in live:
-            total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[t])
+        for (t, start, length), r in zip(balls, radii):
+            if length:
+                d_ball = directions[t][start:start + length]
+                total_gap += vertex_update(t, start + int(torch.argmax(d_ball.abs())), r)
     gap.fill_(total_gap)
+
+
+def ball_layout(numels: Sequence[int], global_ball: bool, row_numel: Sequence[int] = ()) -> list[tuple[int, int, int]]:
+    """The balls of a step as (tensor, first element, length), in the order of their radii.
+
+    Not for the global ball, which is every tensor at once: it returns one ball per tensor then (the
+    order the kernels reduce in). Raises ``ValueError`` for a ``row_numel`` that does not fit.
+    """
+    if row_numel and len(row_numel) != len(numels):
+        raise ValueError(f"row_numel must be empty or hold one row length per parameter ({len(numels)}), "
+                         f"got {len(row_numel)}")
+    if global_ball and any(row_numel):
+        raise ValueError("row_numel must be all 0 for the global ball (one ball over every tensor)")
+    balls = []
+    for t, numel in enumerate(numels):
+        n = row_numel[t] if row_numel else 0
+        if n < 0 or (n > 0 and numel % n):
+            raise ValueError(f"row_numel[{t}] must be 0 (one ball) or a row length that divides the "
+                             f"{numel} elements of params[{t}], got {n}")
+        if n == 0:
+            balls.append((t, 0, numel))
+        else:
+            balls.extend((t, start, n) for start in range(0, numel, n))
+    return balls
 
 
 def l1_lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:

@@ -18,9 +18,9 @@ __all__ = ["is_available"]
 if triton is not None:
     from . import ops  # noqa: F401  (registers torch.ops.fgfw_triton)
     from .fw_step import l1_fw_step_
-    from .tangent import INTERPRET, fill_tangent_
+    from .tangent import INTERPRET, fill_tangent_, fill_tangent_at_step_
 
-    __all__ += ["fill_tangent_", "l1_fw_step_"]
+    __all__ += ["fill_tangent_", "fill_tangent_at_step_", "l1_fw_step_"]
 
 
 def is_available() -> bool:

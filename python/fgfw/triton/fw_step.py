@@ -279,7 +279,8 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
 
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
-                offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor) -> None:
+                offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
+                row_numel: Sequence[int] = ()) -> None:
     """One Frank-Wolfe step over the L1 ball(s), in place; same contract as reference.l1_fw_step_.
 
     All params share one device and dtype (the optimizer calls once per group) and are contiguous;
@@ -288,6 +289,8 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     capturing a CUDA graph); later calls only launch kernels.
     """
     _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap)
+    if any(row_numel):
+        raise NotImplementedError("row balls (row_numel) are not implemented in the Triton step yet")
     has_grad, has_momentum = bool(grads), bool(momentum)
     rows, block_counts, first_slots = [], [], []
     aligned = True

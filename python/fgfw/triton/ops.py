@@ -30,16 +30,28 @@ def _(out, seed, step, tangent_id, offset, distribution) -> None:
     return None
 
 
+@torch.library.custom_op(f"{NAMESPACE}::fill_tangent_at_step_", mutates_args=("out",))
+def fill_tangent_at_step_(out: torch.Tensor, seed: int, step: torch.Tensor, tangent_id: int, offset: int,
+                          distribution: int) -> None:
+    """``fgfw.triton.fill_tangent_at_step_`` (the tangent stream at the step held by a tensor) as a custom op."""
+    tangent.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
+
+
+@fill_tangent_at_step_.register_fake
+def _(out, seed, step, tangent_id, offset, distribution) -> None:
+    return None
+
+
 @torch.library.custom_op(f"{NAMESPACE}::l1_fw_step_", mutates_args=("params", "momentum", "gap"))
 def l1_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
-                offsets: list[int], seed: int, distribution: int, gap: torch.Tensor) -> None:
+                offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int]) -> None:
     """``fgfw.triton.l1_fw_step_`` (the fused L1-ball Frank-Wolfe step) as a custom op."""
     fw_step.l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                        distribution, gap)
+                        distribution, gap, row_numel)
 
 
 @l1_fw_step_.register_fake
 def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-      gap) -> None:
+      gap, row_numel) -> None:
     return None

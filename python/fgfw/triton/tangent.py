@@ -97,9 +97,11 @@ def tangent_tile(stream_base, key_lo, key_hi, step, tangent_id, GAUSSIAN: tl.con
         x1 = _rademacher(w1)
         x2 = _rademacher(w2)
         x3 = _rademacher(w3)
-    col = tl.arange(0, 4)[None, :]
-    return tl.where(col == 0, x0[:, None],
-                    tl.where(col == 1, x1[:, None], tl.where(col == 2, x2[:, None], x3[:, None])))
+    # tl.join adds a new last dimension, so the outer join's operand is the last index: [r, j, i] holds
+    # word 2 j + i and the row-major reshape puts word c in column c. Selecting columns with tl.where
+    # instead made Triton 3.6 redo each row's Philox and Box-Muller for every column: four times the
+    # code and, on sm_90, 128 registers plus spills (float32) or 155 (bfloat16) instead of 64.
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [ROWS, 4])
 
 
 @triton.jit
@@ -119,13 +121,19 @@ def to_storage(x, DTYPE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "step", "tangent_id"])
 def _fill_tangent_kernel(out, numel, stream_base, key_lo, key_hi, step, tangent_id,
-                         LEAD: tl.constexpr, GAUSSIAN: tl.constexpr, ROWS: tl.constexpr):
+                         LEAD: tl.constexpr, GAUSSIAN: tl.constexpr, ROWS: tl.constexpr,
+                         STEP_IN_MEMORY: tl.constexpr = False):
     # Program b covers stream indices stream_base + [b * 4 ROWS, (b + 1) * 4 ROWS), stream_base being
     # the offset rounded down to a multiple of 4; out element j sits LEAD positions later in the stream.
     # LEAD is a constexpr so that, when it is 0, the compiler sees aligned, vectorisable stores.
+    # STEP_IN_MEMORY: step points to the int64 step counter on the device (read there: no host sync).
     first = tl.program_id(0).to(tl.int64) * (4 * ROWS)
+    if STEP_IN_MEMORY:
+        step_word = tl.load(step).to(tl.uint32)  # the counter modulo 2^32, as the stream takes it
+    else:
+        step_word = step.to(tl.uint32, bitcast=True)
     u = tangent_tile(stream_base + first, key_lo.to(tl.uint32, bitcast=True), key_hi.to(tl.uint32, bitcast=True),
-                     step.to(tl.uint32, bitcast=True), tangent_id.to(tl.uint32, bitcast=True), GAUSSIAN, ROWS)
+                     step_word, tangent_id.to(tl.uint32, bitcast=True), GAUSSIAN, ROWS)
     j = first - LEAD + 4 * tl.arange(0, ROWS)[:, None] + tl.arange(0, 4)[None, :]
     mask = j < numel
     if LEAD:
@@ -144,10 +152,27 @@ def check_distribution(distribution: int) -> None:
                          f"(rademacher), got {distribution}")
 
 
-def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offset: int, distribution: int) -> None:
+def fill_tangent_at_step_(out: torch.Tensor, seed: int, step: torch.Tensor, tangent_id: int, offset: int,
+                          distribution: int) -> None:
+    """``fill_tangent_`` at the step held by ``step``, a 0-dim int64 tensor on ``out``'s device (read by the
+    kernel: no host synchronisation, so CUDA graphs replay it) or on the CPU."""
+    if step.dtype != torch.int64 or step.numel() != 1:
+        raise ValueError(f"step must be an int64 tensor of one element (the step counter), got {step.dtype} of "
+                         f"shape {tuple(step.shape)}")
+    if step.device.type == "cpu" or INTERPRET:
+        fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)
+    elif step.device != out.device:
+        raise ValueError(f"step must be on {out.device} like out, or on the CPU, got {step.device}")
+    else:
+        fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+
+
+def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangent_id: int, offset: int,
+                  distribution: int) -> None:
     """Writes the tangent of ``out``'s elements (flat order, stream index offset + j) into ``out``.
 
-    Same contract as reference.fill_tangent_: float32 values, cast to ``out``'s dtype.
+    Same contract as reference.fill_tangent_: float32 values, cast to ``out``'s dtype. ``step`` may be a
+    device tensor (see fill_tangent_at_step_).
     """
     check_distribution(distribution)
     if out.dtype not in TL_DTYPES:
@@ -168,7 +193,9 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int, tangent_id: int, offs
     key_lo, key_hi = key_words(seed)
     grid = (triton.cdiv(out.numel() + lead, BLOCK),)
     # No FMA contraction, as in the step kernel, so a tangent has the same bits from either kernel.
+    in_memory = isinstance(step, torch.Tensor)
     with device_of(out):
-        _fill_tangent_kernel[grid](out, out.numel(), offset - lead, key_lo, key_hi, as_int32(step),
-                                   as_int32(tangent_id), LEAD=lead, GAUSSIAN=distribution == reference.GAUSSIAN,
-                                   ROWS=ROWS, num_warps=4, enable_fp_fusion=False)
+        _fill_tangent_kernel[grid](out, out.numel(), offset - lead, key_lo, key_hi,
+                                   step if in_memory else as_int32(step), as_int32(tangent_id), LEAD=lead,
+                                   GAUSSIAN=distribution == reference.GAUSSIAN, ROWS=ROWS, STEP_IN_MEMORY=in_memory,
+                                   num_warps=4, enable_fp_fusion=False)
