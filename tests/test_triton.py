@@ -3,6 +3,7 @@
 Without a GPU the kernels run in Triton's interpreter on CPU tensors; with one, the same tests run
 compiled on CUDA tensors. Sizes are small because the interpreter is slow.
 """
+import math
 import os
 
 import pytest
@@ -319,3 +320,199 @@ def test_fill_tangent_at_a_step_tensor_equals_the_int_step(distribution):
         out = torch.full((37,), float("nan"), device=DEVICE)
         fgfw_triton.fill_tangent_at_step_(out, 9, torch.tensor(step, device=where), 1, 6, distribution)
         assert torch.equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# l1_fw_step_ with row balls (row_numel, L1Ball(scope="row"))
+
+
+def _make_shaped_inputs(shapes, dtype, **kw):
+    """_make_step_inputs over tensors of the given shapes (the stream layout only sees their numel)."""
+    inputs = _make_step_inputs([math.prod(s) for s in shapes], dtype, **kw)
+    for key in ("params", "momentum", "grads"):
+        inputs[key] = [x.view(s) for x, s in zip(inputs[key], shapes)]
+    return inputs
+
+
+def _row_radii(shapes, row_numel):
+    """A different radius for every ball, so that a ball given another's radius shows."""
+    count = sum(1 if n == 0 else math.prod(s) // n for s, n in zip(shapes, row_numel))
+    return [0.5 + 0.25 * b for b in range(count)]
+
+
+def _run_both_rows(inputs, radii, row_numel, distribution=RADEMACHER, seed=2024):
+    """_run_both with row balls."""
+    results = []
+    for step_fn in (reference.l1_fw_step_, fgfw_triton.l1_fw_step_):
+        params = [p.clone() for p in inputs["params"]]
+        momentum = [v.clone() for v in inputs["momentum"]]
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
+        step_fn(params, momentum, inputs["grads"], inputs["schedule"], inputs["tangent_coeffs"], radii, False,
+                inputs["offsets"], seed, distribution, gap, row_numel)
+        results.append((params, momentum, gap))
+    return results
+
+
+def _layout_of(inputs, radii, row_numel):
+    """The Triton step's layout of these inputs (which balls take which path)."""
+    params, grads = inputs["params"], inputs["grads"]
+    streams = (0,) * len(params) if grads else tuple(inputs["offsets"])
+    return fw_step._layout(params[0].device, tuple(p.numel() for p in params), tuple(row_numel), streams,
+                           fw_step._radii_token(radii), False, bool(grads))
+
+
+def _winners(params, inputs, row_numel):
+    """Per tensor, per ball, the indices within the ball that moved to a vertex (not just scaled)."""
+    alpha = float(inputs["schedule"][1])
+    out = []
+    for p, p0, n in zip(params, inputs["params"], row_numel):
+        moved = (p != (1 - alpha) * p0).reshape(-1, n or max(p.numel(), 1))
+        out.append([torch.nonzero(row).flatten().tolist() for row in moved])
+    return out
+
+
+# Short rows, a 1-D tensor as one ball, a 3-D tensor with rows of 8, rows longer than one program holds
+# (the blocks and finalize path), an empty tensor with rows, rows of exactly one program's width with a
+# partly filled last program, and rows whose stream offsets are not multiples of 4 (the default offsets).
+ROW_SHAPES = [(6, 5), (13,), (3, 4, 2), (2, fw_step._MAX_ROW_SEG + 3), (0, 3), (3, 1024), (7, 3)]
+ROW_NUMEL = [5, 0, 8, fw_step._MAX_ROW_SEG + 3, 3, 1024, 3]
+
+
+def test_row_layout_takes_both_paths():
+    """Guards the row tests against vacuous passes: the long rows take the blocks path, the rest the rows kernel."""
+    inputs = _make_shaped_inputs(ROW_SHAPES, torch.float32, momentum=True, grads=False)
+    radii = _row_radii(ROW_SHAPES, ROW_NUMEL)
+    layout = _layout_of(inputs, radii, ROW_NUMEL)
+    assert layout.n_long_balls == 2 and layout.slots == 2 * 2  # two blocks per long row
+    assert layout.n_balls == len(radii) and layout.row_launches
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("momentum", [False, True])
+def test_step_row_balls_forward_gradient(distribution, momentum):
+    inputs = _make_shaped_inputs(ROW_SHAPES, torch.float32, momentum=momentum, grads=False, n_tangents=2, gen_seed=5)
+    radii = _row_radii(ROW_SHAPES, ROW_NUMEL)
+    ref, got = _run_both_rows(inputs, radii, ROW_NUMEL, distribution)
+    # every non-empty ball moved one element to its vertex
+    assert all(len(ball) == 1 for balls in _winners(ref[0], inputs, ROW_NUMEL) for ball in balls)
+    _assert_same_step(ref, got, exact=distribution == RADEMACHER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [False, True])
+def test_step_row_balls_backprop_gradient(dtype, momentum):
+    inputs = _make_shaped_inputs(ROW_SHAPES, dtype, momentum=momentum, grads=True, gen_seed=6)
+    radii = _row_radii(ROW_SHAPES, ROW_NUMEL)
+    ref, got = _run_both_rows(inputs, radii, ROW_NUMEL)
+    _assert_vertex_moved(ref[0], inputs)
+    _assert_same_step(ref, got, exact=True)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_row_balls_aligned(distribution, dtype):
+    """Offsets and row lengths that are multiples of 4: the vectorised path, unmasked for full programs
+    (rows of 1024, 64 and 2048), masked for a partly filled one (3 rows of 1024) and short rows (12 of 16)."""
+    shapes = [(8, 64), (3, 1024), (64,), (5, 12), (2, 2048)]
+    row_numel = [64, 1024, 0, 12, 2048]
+    numels = [math.prod(s) for s in shapes]
+    offsets = [sum(numels[:t]) for t in range(len(shapes))]
+    inputs = _make_shaped_inputs(shapes, dtype, momentum=True, grads=False, n_tangents=2, offsets=offsets, gen_seed=8)
+    radii = _row_radii(shapes, row_numel)
+    layout = _layout_of(inputs, radii, row_numel)
+    assert layout.slots == 0 and all(launch.aligned for launch in layout.row_launches)
+    ref, got = _run_both_rows(inputs, radii, row_numel, distribution)
+    _assert_same_step(ref, got, exact=distribution == RADEMACHER, dtype=dtype)
+
+
+def test_step_row_ties_lowest_index_within_each_row_wins():
+    """Per row: equal |d| of either sign -> the lowest index; NaN beats everything (torch.argmax); d = 0 ->
+    index 0 with sign 0 (nothing moves); long rows (blocks path) and short rows alike."""
+    short = [[0.0, -3.0, 3.0, -3.0],  # index 1
+             [2.0, 2.0, -2.0, 1.0],  # index 0
+             [1.0, float("inf"), float("nan"), -5.0],  # index 2 (NaN)
+             [0.0, 0.0, 0.0, 0.0],  # index 0, sign 0: unchanged
+             [-1.0, 4.0, 0.5, -4.0]]  # index 1
+    n_long = fw_step._MAX_ROW_SEG + 100
+    long = [[0.0] * n_long for _ in range(2)]
+    long[0][n_long - 1], long[0][5], long[0][n_long - 50] = 9.0, -9.0, 9.0  # index 5: a tie across blocks
+    long[1][10], long[1][n_long - 10], long[1][n_long - 8] = 1.5, -2.0, 2.0  # index n_long - 10, in the last block
+    values = [sum(short, []), sum(long, []), [5.0, -5.0, 5.0]]
+    inputs = _tie_inputs(values)
+    row_numel = [4, n_long, 0]
+    radii = [1.0 + b for b in range(len(short) + 2 + 1)]
+    ref, got = _run_both_rows(inputs, radii, row_numel)
+    _assert_same_step(ref, got, exact=True)
+    assert _winners(got[0], inputs, row_numel) == [[[1], [0], [], [], [1]], [[5], [n_long - 10]], [[0]]]
+
+
+def test_step_row_balls_small_mlp_layout():
+    """The 12 x 1024 MLP benchmark's layout, scaled down: square weights with rows as balls and biases of
+    one row's length as whole balls, offsets as the optimizer lays them out (multiples of 4). One rows
+    launch (every ball fits a program, one size class) and no blocks: three AFGFW steps track the reference."""
+    width, layers = 64, 3
+    shapes = [(width, width), (width,)] * layers
+    row_numel = [width, 0] * layers
+    numels = [math.prod(s) for s in shapes]
+    offsets = [sum(numels[:t]) for t in range(len(shapes))]
+    inputs = _make_shaped_inputs(shapes, torch.float32, momentum=True, grads=False, n_tangents=2, offsets=offsets)
+    radii = _row_radii(shapes, row_numel)
+    assert len(radii) == layers * (width + 1)
+    layout = _layout_of(inputs, radii, row_numel)
+    assert layout.slots == 0 and len(layout.row_launches) == 1 and layout.row_launches[0].aligned
+    states = [([p.clone() for p in inputs["params"]], [v.clone() for v in inputs["momentum"]]) for _ in range(2)]
+    for step in range(3):
+        schedule = torch.tensor([step, 2 / (step + 2), 1 / (step + 1)], dtype=torch.float64, device=DEVICE)
+        gaps = []
+        for step_fn, (params, momentum) in zip((reference.l1_fw_step_, fgfw_triton.l1_fw_step_), states):
+            gaps.append(torch.zeros((), dtype=torch.float64, device=DEVICE))
+            step_fn(params, momentum, [], schedule, inputs["tangent_coeffs"], radii, False, offsets, 99, RADEMACHER,
+                    gaps[-1], row_numel)
+        torch.testing.assert_close(gaps[1], gaps[0], rtol=1e-10, atol=1e-10)
+    for ref, got in zip(states[0], states[1]):
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+    # Gaussian tangents, to a tolerance
+    ref, got = _run_both_rows(inputs, radii, row_numel, GAUSSIAN)
+    _assert_same_step(ref, got, exact=False)
+
+
+def test_step_row_balls_gap_sums_over_many_chunks(monkeypatch):
+    """More balls than one gap-sum iteration: every ball's share is summed, in order."""
+    monkeypatch.setattr(fw_step, "_RBLOCK", 4)
+    shapes, row_numel = [(9, 3), (5,), (2, fw_step._MAX_ROW_SEG + 1)], [3, 0, fw_step._MAX_ROW_SEG + 1]
+    inputs = _make_shaped_inputs(shapes, torch.float32, momentum=True, grads=True, gen_seed=9)
+    ref, got = _run_both_rows(inputs, _row_radii(shapes, row_numel), row_numel)
+    _assert_same_step(ref, got, exact=True)
+
+
+def test_step_row_balls_of_empty_tensors_only():
+    """Rows of an empty tensor are no balls: no radius, nothing to do, gap 0."""
+    inputs = _make_shaped_inputs([(0, 4), (0, 2)], torch.float32, momentum=True, grads=False)
+    ref, got = _run_both_rows(inputs, [], [4, 2])
+    assert got[2].item() == 0.0
+    _assert_same_step(ref, got, exact=True)
+
+
+def test_step_rejects_bad_row_numel():
+    schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
+    coeffs = torch.ones(1, dtype=torch.float64, device=DEVICE)
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    params = [torch.ones(2, 6, device=DEVICE), torch.ones(3, device=DEVICE)]
+
+    def step(radii, row_numel, global_ball=False):
+        fgfw_triton.l1_fw_step_(params, [], [], schedule, coeffs, radii, global_ball, [0, 12], 0, RADEMACHER, gap,
+                                row_numel)
+
+    for radii, row_numel, message in [
+            ([1.0] * 3, [6], "row_numel must be empty or hold one row length per parameter"),
+            ([1.0] * 3, [5, 0], r"row_numel\[0\] must be 0 \(one ball\) or a row length that divides the 12"),
+            ([1.0] * 3, [-6, 0], r"row_numel\[0\]"),
+            ([1.0] * 2, [6, 0], r"radii must hold one radius per ball \(3"),
+            ([1.0] * 4, [6, 0], r"radii must hold one radius per ball \(3"),
+            ([1.0, 2.0, -1.0], [6, 0], r"radii\[2\] must be a finite radius > 0")]:
+        with pytest.raises(ValueError, match=message):
+            step(radii, row_numel)
+    with pytest.raises(ValueError, match="row_numel must be all 0 for the global ball"):
+        step([1.0], [6, 0], global_ball=True)
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)

@@ -31,6 +31,8 @@ VARIANTS = {
     "backprop_momentum_fp32": ("blocks", "float32", dict(HAS_GRAD=True, HAS_MOMENTUM=True, GAUSSIAN=False)),
     "afgfw_gaussian_bf16": ("blocks", "bfloat16", dict(HAS_GRAD=False, HAS_MOMENTUM=True, GAUSSIAN=True)),
     "afgfw_gaussian_fp64": ("blocks", "float64", dict(HAS_GRAD=False, HAS_MOMENTUM=True, GAUSSIAN=True)),
+    # short balls (rows of 1024, two per program: the 12 x 1024 MLP benchmark's layout)
+    "rows_afgfw_gaussian_fp32": ("rows", "float32", dict(HAS_GRAD=False, HAS_MOMENTUM=True, GAUSSIAN=True)),
     "fill_gaussian_fp32": ("fill", "float32", dict(GAUSSIAN=True, STEP_IN_MEMORY=False)),
     # the optimizers' form: the step counter read from device memory
     "fill_gaussian_fp32_step_in_memory": ("fill", "float32", dict(GAUSSIAN=True, STEP_IN_MEMORY=True)),
@@ -40,6 +42,9 @@ VARIANTS = {
 _BLOCKS_SIGNATURE = dict(block_tensor="*i32", meta="*i64", schedule="*fp64", tangent_coeffs="*fp64",
                          partial_d="*fp64", partial_index="*i64", partial_dot="*fp64", key_lo="i32", key_hi="i32",
                          n_tangents="i32")
+_ROWS_SIGNATURE = dict(program_group="*i32", meta="*i64", schedule="*fp64", tangent_coeffs="*fp64", radii="*fp64",
+                       ball_gap="*fp64", key_lo="i32", key_hi="i32", n_tangents="i32")
+_ROW_SEG = 1024  # the rows variants' ball length
 _FILL_SIGNATURE = dict(numel="i32", stream_base="i64", key_lo="i32", key_hi="i32", step="i32", tangent_id="i32")
 _FILL_WARPS = 4  # as fill_tangent_
 
@@ -82,13 +87,19 @@ def _compile_variants() -> dict:
             fn, warps, signature = fw_step._fw_blocks_kernel, fw_step._BLOCK_WARPS, dict(_BLOCKS_SIGNATURE)
             constexprs = dict(flags, PARAM_DTYPE=tangent.TL_DTYPES[dtype], GRAD_DTYPE=tangent.TL_DTYPES[dtype],
                               COMPUTE_DTYPE=tangent.TL_DTYPES[reference.compute_dtype(dtype)], ALIGNED=True)
+        elif kernel == "rows":
+            fn, warps, signature = fw_step._fw_rows_kernel, fw_step._BLOCK_WARPS, dict(_ROWS_SIGNATURE)
+            constexprs = dict(flags, PARAM_DTYPE=tangent.TL_DTYPES[dtype], GRAD_DTYPE=tangent.TL_DTYPES[dtype],
+                              COMPUTE_DTYPE=tangent.TL_DTYPES[reference.compute_dtype(dtype)], ALIGNED=True,
+                              SEG=_ROW_SEG, BALLS=tangent.BLOCK // _ROW_SEG)
         else:
             fn, warps = tangent._fill_tangent_kernel, _FILL_WARPS
             signature = dict(out=f"*{tangent.TL_DTYPES[dtype].name}", **_FILL_SIGNATURE)
             if flags["STEP_IN_MEMORY"]:
                 signature["step"] = "*i64"
             constexprs = dict(flags, LEAD=0)
-        constexprs["ROWS"] = tangent.ROWS
+        if kernel != "rows":  # the rows kernel's tile is BALLS x SEG (ROWS Philox calls)
+            constexprs["ROWS"] = tangent.ROWS
         signature.update((key, "constexpr") for key in constexprs)
         pointers = {(fn.arg_names.index(key),): [["tt.divisibility", 16]]
                     for key, kind in signature.items() if kind.startswith("*")}

@@ -1,29 +1,50 @@
 """The fused L1-ball Frank-Wolfe step in Triton: the Triton backend of reference.l1_fw_step_.
 
-Three launches and no host synchronisation (schedule and coefficients are read by pointer):
+A ball is a whole tensor, one row of a tensor (``row_numel``), or every tensor at once (the global
+ball). Balls that fit a program ("short": a row, or a small tensor such as a bias, of at most
+_MAX_ROW_SEG elements) are stepped and finished by that program; the others ("long": big tensors,
+long rows, the global ball) are split into blocks whose partials a second kernel reduces. A step
+launches, with no host synchronisation (schedule and coefficients are read by pointer):
 
-1. ``_fw_blocks_kernel``, one program per block of BLOCK elements of any tensor: regenerates the K
-   tangents (or reads the gradient), updates v, scales theta by (1 - alpha) and writes the block's
-   partials to its slot: the signed d of its largest |d| (lowest index on ties, NaN counted largest,
-   as torch.argmax), that index, and sum(d * theta_old) in float64.
-2. ``_fw_finalize_kernel``, one program per ball: reduces its slots the same way, applies the vertex
-   update -alpha r sign(d_i*) to the winning element (index read on the device) and writes the ball's
-   share of the gap, sum(d * theta_old) + r |d_i*|.
-3. ``_gap_sum_kernel``, only when there are several balls: sums the shares into ``gap``.
+1. ``_fw_rows_kernel``, once per size class SEG of the short balls present (a power of two >= the
+   ball's length plus its lead, see below; classes keep a ball of 5 from being padded to 1024): each
+   program holds BLOCK // SEG consecutive balls of one tensor as the rows of a [BALLS, SEG]
+   tile, regenerates the K tangents (or reads the gradient), updates v, takes each row's argmax |d|
+   (lowest index on ties, NaN counted largest, as torch.argmax), writes theta scaled by (1 - alpha)
+   with the winner moved to the vertex, theta_i* + alpha (-r sign(d_i*)), in the same store, and
+   writes each ball's share of the gap, sum(d * theta_old) + r |d_i*|, in float64.
+2. ``_fw_blocks_kernel``, one program per block of BLOCK elements of a long ball's segment (a whole
+   tensor or one long row): the same update without the vertex, writing the block's partials to its
+   slot: the signed d of its largest |d|, that index, and sum(d * theta_old) in float64.
+3. ``_fw_finalize_kernel``, one program per long ball: reduces its slots the same way, applies the
+   vertex update to the winning element (index read on the device) and writes the ball's share.
+4. ``_gap_sum_kernel``, only when there are several balls: sums the shares into ``gap`` in ball
+   order (fixed, so the gap is deterministic).
 
-Why one launch over a pointer table rather than one launch per tensor: a model has tens to hundreds
-of parameter tensors and every Triton launch costs microseconds of Python, more than the whole
-update of a small tensor. The table (per tensor: addresses, size, stream offset, first slot) and the
-block -> tensor map are built on the host from metadata only, uploaded once and cached by content, so
-a step costs three launches whatever the tensor count. Slots are numbered in (tensor, block) order,
-so "lowest slot" is "lowest (tensor, index)", the global ball's tie rule, with no extra bookkeeping.
-Addresses read from a table carry no alignment the compiler can see; when every address is 16-byte
-aligned and every tensor starts on a Philox call boundary (ALIGNED) the kernel states it with
-tl.multiple_of, and full blocks run unmasked, so loads and stores vectorise. The interpreter runs the
-same table on CPU tensors, whose raw addresses are valid on the host.
+The 12 x 1024 MLP with row balls (12,300 balls of 1024) is two launches: rows, gap sum.
+
+Why one launch over a table rather than one launch per tensor or per row: a model has tens to
+hundreds of parameter tensors and thousands of rows, and every Triton launch costs microseconds of
+Python, more than the whole update of a small tensor. Everything but the addresses is laid out on
+the host from metadata only (sizes, row lengths, stream offsets, radii) once, uploaded and cached by
+content (``_layout``); the addresses, a few numbers per tensor, are cached separately (``_meta``), so a
+step does no per-row or per-ball work on the host beyond hashing the key. One int64 table of rows
+of _META_STRIDE holds one address row per tensor (param, momentum, grad), then one row per segment
+of the blocks path and one per group (a tensor's run of short balls) of the rows path; the kernels
+find their segment or group through a block -> row or program -> row map. Slots are numbered in
+(segment, block) order, so "lowest slot" is "lowest (tensor, index)", the global ball's tie rule.
+
+Stream layout: element j of tensor t draws stream index offsets[t] + j, whatever its ball. A tile
+row (a block, or a short ball) starts on a Philox call boundary: its elements sit LEAD (= stream
+index % 4) positions in, the first LEAD positions masked off. When every address is 16-byte aligned
+and every tile row starts on a call boundary (ALIGNED) the kernels state it (tl.multiple_of on the
+table addresses, offsets built as multiples of 4), so loads and stores vectorise, and full tiles run
+unmasked. The interpreter runs the same tables on CPU tensors, whose raw addresses are valid on the
+host.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Sequence
@@ -33,16 +54,34 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .tangent import (BLOCK, INTERPRET, ROWS, TL_DTYPES, check_distribution, device_of, key_words, tangent_tile,
-                      to_storage)
+from .tangent import (BLOCK, INTERPRET, ROWS, TL_DTYPES, _box_muller, _philox4x32_10, _rademacher,
+                      check_distribution, device_of, key_words, tangent_tile, to_storage)
 
-# Columns of the per-tensor table (int64), in the order the launcher writes them.
-_PARAM, _MOMENTUM, _GRAD, _NUMEL, _STREAM_BASE, _LEAD, _FIRST_SLOT = (tl.constexpr(c) for c in range(7))
-_META_STRIDE = tl.constexpr(7)
+# The one int64 table (see the module docstring), _META_STRIDE columns per row.
+_META_STRIDE = tl.constexpr(8)
+# An address row (one per tensor, rows [0, number of tensors)).
+_PARAM, _MOMENTUM, _GRAD = (tl.constexpr(c) for c in range(3))
+# A segment row (blocks path): a whole tensor, or one long row of a tensor, as a run of blocks.
+# TENSOR is the address row; START the segment's first element in the tensor; STREAM_BASE the stream
+# index of its first block (a multiple of 4), LEAD the offset of element START past it.
+_TENSOR, _START, _NUMEL, _STREAM_BASE, _LEAD, _FIRST_SLOT = (tl.constexpr(c) for c in range(6))
+# A group row (rows path): the short balls of one tensor, ROW_NUMEL elements each (the tensor's numel
+# for a whole-tensor ball), BALLS of them; STREAM_BASE is the tensor's stream offset; FIRST_PROGRAM
+# the group's first program in its launch; FIRST_BALL the index of its first ball in radii and ball_gap.
+_ROW_NUMEL, _BALLS, _FIRST_PROGRAM, _FIRST_BALL = (tl.constexpr(c) for c in (1, 2, 4, 5))
 
 # 8 warps: 8 elements per thread, about 64 registers for float32 (126 for float64) on sm_90, so
 # several blocks fit on an SM; 4 warps doubled the registers per thread.
 _BLOCK_WARPS = 8
+
+# Short balls: a ball of n elements whose tile row needs SEG = next power of two >= n + lead (>= 4) is
+# stepped by the rows kernel when SEG <= _MAX_ROW_SEG, BLOCK // SEG balls per program: BLOCK elements, 8
+# per thread on _BLOCK_WARPS warps as the blocks kernel. Without ALIGNED (unvectorised loads, a lead per
+# ball) 8 per thread spilled on sm_90, so those launches take twice the warps (4 elements per thread).
+# A program of 4096 (16 or 32 warps) spilled in some variants with Triton 3.6: longer balls take the
+# blocks path.
+_MAX_ROW_SEG = BLOCK
+_MIN_ROW_SEG = 4
 
 # Slots reduced per iteration by the finalize and gap kernels.
 _RBLOCK = 1024
@@ -82,6 +121,22 @@ def _argmax_abs(d, valid, index):
 
 
 @triton.jit
+def _argmax_abs_rows(d, valid, col):
+    """_argmax_abs of each row of a [BALLS, SEG] tile: ([BALLS] column of the winner, [BALLS] its d)."""
+    magnitude = tl.abs(d)
+    is_nan = magnitude != magnitude
+    key = tl.where(is_nan, _INF, magnitude)
+    if valid is not None:
+        is_nan = is_nan & valid
+        key = tl.where(valid, key, -1.0)
+    top = tl.max(key, axis=1)
+    any_nan = tl.max(is_nan.to(tl.int32), axis=1) != 0
+    hit = tl.where(any_nan[:, None], is_nan, key == top[:, None])
+    best = tl.min(tl.where(hit, col, _NO_INDEX), axis=1)
+    return best, tl.sum(tl.where(col == best[:, None], d, 0.0), axis=1)
+
+
+@triton.jit
 def _forward_gradient(stream_start, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
                       COMPUTE_DTYPE: tl.constexpr, GAUSSIAN: tl.constexpr, ROWS: tl.constexpr):
     """g = sum_k c_k u_k over a block, summed in the reference's order."""
@@ -97,22 +152,59 @@ def _forward_gradient(stream_start, schedule, tangent_coeffs, key_lo, key_hi, n_
 
 
 @triton.jit
-def _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
+def _tangent_rows_tile(calls, key_lo, key_hi, step, tangent_id, GAUSSIAN: tl.constexpr, BALLS: tl.constexpr,
+                       SEG: tl.constexpr):
+    """float32 tangent as a [BALLS, SEG] tile from the [BALLS, SEG // 4] Philox call indices ``calls``
+    (int64): position (b, 4 c + w) is word w of call calls[b, c], i.e. stream index 4 calls[b, c] + w.
+    As tangent.tangent_tile, row by row."""
+    w0, w1, w2, w3 = _philox4x32_10(calls.to(tl.uint32), (calls >> 32).to(tl.uint32), step, tangent_id, key_lo,
+                                    key_hi)
+    if GAUSSIAN:
+        x0, x1 = _box_muller(w0, w1)
+        x2, x3 = _box_muller(w2, w3)
+    else:
+        x0 = _rademacher(w0)
+        x1 = _rademacher(w1)
+        x2 = _rademacher(w2)
+        x3 = _rademacher(w3)
+    # [b, c, i, j] holds word 2 i + j (see tangent_tile): row-major, word w of call c lands at 4 c + w.
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [BALLS, SEG])
+
+
+@triton.jit
+def _forward_gradient_rows(calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
+                           COMPUTE_DTYPE: tl.constexpr, GAUSSIAN: tl.constexpr, BALLS: tl.constexpr,
+                           SEG: tl.constexpr):
+    """_forward_gradient over a [BALLS, SEG] tile of short balls."""
+    step = tl.load(schedule).to(tl.int64).to(tl.uint32)
+    g = tl.zeros([BALLS, SEG], dtype=COMPUTE_DTYPE)
+    for k in range(n_tangents):
+        term = tl.load(tangent_coeffs + k).to(COMPUTE_DTYPE) * _tangent_rows_tile(
+            calls, key_lo, key_hi, step, tl.cast(k, tl.uint32), GAUSSIAN, BALLS, SEG).to(COMPUTE_DTYPE)
+        g = tl.where(k == 0, term, g + term)
+    return g
+
+
+@triton.jit
+def _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
               PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
               HAS_MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr):
-    """The step on elements start + [0, 4 ROWS) of one tensor; g is None for the gradient path."""
+    """The step on elements start + [0, 4 ROWS) of a segment whose first element is element
+    first_element of the tensor with address row ``tensor``; g is None for the gradient path."""
     # Element start + i for i in [0, 4 ROWS): int32 positions on int64 base pointers.
     i = 4 * tl.arange(0, ROWS)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
         valid = (i >= (-start).to(tl.int32)) & (i < tl.minimum(numel - start, 4 * ROWS).to(tl.int32))
     else:
         valid = None
-    theta_ptr = _pointer(tl.load(row + _PARAM), PARAM_DTYPE, ALIGNED) + start + i
+    offset = first_element + start
+    theta_ptr = _pointer(tl.load(tensor + _PARAM), PARAM_DTYPE, ALIGNED) + offset + i
     theta = tl.load(theta_ptr, mask=valid).to(COMPUTE_DTYPE)
     if g is None:
-        g = tl.load(_pointer(tl.load(row + _GRAD), GRAD_DTYPE, ALIGNED) + start + i, mask=valid).to(COMPUTE_DTYPE)
+        g = tl.load(_pointer(tl.load(tensor + _GRAD), GRAD_DTYPE, ALIGNED) + offset + i,
+                    mask=valid).to(COMPUTE_DTYPE)
     if HAS_MOMENTUM:
-        v_ptr = _pointer(tl.load(row + _MOMENTUM), COMPUTE_DTYPE, ALIGNED) + start + i
+        v_ptr = _pointer(tl.load(tensor + _MOMENTUM), COMPUTE_DTYPE, ALIGNED) + offset + i
         gamma = tl.load(schedule + 2).to(COMPUTE_DTYPE)
         d = (1.0 - gamma) * tl.load(v_ptr, mask=valid) + gamma * g
         tl.store(v_ptr, d, mask=valid)
@@ -125,7 +217,7 @@ def _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, pa
         dot = tl.where(valid, dot, 0.0)
     best, d_best = _argmax_abs(d, valid, i)
     tl.store(partial_d + slot, d_best.to(tl.float64))
-    tl.store(partial_index + slot, start + best)
+    tl.store(partial_index + slot, offset + best)  # the element's index in its tensor
     tl.store(partial_dot + slot, tl.sum(dot))
 
 
@@ -134,39 +226,154 @@ def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, partial_d, p
                       key_lo, key_hi, n_tangents, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
                       COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                       GAUSSIAN: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
-    # Block b of a tensor covers stream indices stream_base + [b * 4 ROWS, (b + 1) * 4 ROWS), whole
-    # Philox calls; its element j sits LEAD (= offset % 4) positions into the stream, so the first
-    # block of a tensor whose offset is not a multiple of 4 starts at j = -LEAD (masked off).
+    # ``block_tensor`` maps a slot to its segment's row of ``meta``. Block b of a segment covers stream
+    # indices STREAM_BASE + [b * 4 ROWS, (b + 1) * 4 ROWS), whole Philox calls; its element j sits LEAD
+    # (= stream index of its first element % 4) positions into the stream, so the first block of a
+    # segment that does not start on a call boundary starts at j = -LEAD (masked off).
     slot = tl.program_id(0)
-    row = meta + tl.load(block_tensor + slot).to(tl.int64) * _META_STRIDE
-    numel = tl.load(row + _NUMEL)
-    first = (slot - tl.load(row + _FIRST_SLOT)) * (4 * ROWS)
+    segment = meta + tl.load(block_tensor + slot).to(tl.int64) * _META_STRIDE
+    tensor = meta + tl.load(segment + _TENSOR) * _META_STRIDE
+    numel = tl.load(segment + _NUMEL)
+    first_element = tl.load(segment + _START)
+    first = (slot - tl.load(segment + _FIRST_SLOT)) * (4 * ROWS)
     start = first
-    if not ALIGNED:
-        start -= tl.load(row + _LEAD)
+    if ALIGNED:
+        # A multiple of 4 (ALIGNED's promise), built so that the compiler sees it.
+        first_element = (first_element >> 2) * 4
+    else:
+        start -= tl.load(segment + _LEAD)
     if HAS_GRAD:
         g = None
     else:
         # Generated once, outside the full/tail split below, so the Philox and Box-Muller code is
         # compiled once rather than in both branches.
-        g = _forward_gradient(tl.load(row + _STREAM_BASE) + first, schedule, tangent_coeffs,
+        g = _forward_gradient(tl.load(segment + _STREAM_BASE) + first, schedule, tangent_coeffs,
                               key_lo.to(tl.uint32, bitcast=True), key_hi.to(tl.uint32, bitcast=True), n_tangents,
                               COMPUTE_DTYPE, GAUSSIAN, ROWS)
     # Full blocks run unmasked: with ALIGNED, their loads and stores vectorise.
     if (start >= 0) & (start + 4 * ROWS <= numel):
-        _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot, PARAM_DTYPE,
-                  GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, ROWS)
+        _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
+                  PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, ROWS)
     else:
-        _fw_block(row, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot, PARAM_DTYPE,
-                  GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, ROWS)
+        _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
+                  PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, ROWS)
+
+
+@triton.jit
+def _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap,
+                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                 HAS_MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, SEG: tl.constexpr):
+    """The whole step on BALLS short balls, tile row b holding ball ball[b] (index into radii and
+    ball_gap): its n elements at tensor positions first + ball_start[b] + [0, n), at columns
+    lead[b] + [0, n) (lead is None when ALIGNED: 0); g is None for the gradient path."""
+    col = tl.arange(0, SEG)[None, :]
+    if ALIGNED:
+        position = ball_start[:, None] + col
+    else:
+        position = (ball_start - lead)[:, None] + col
+    if MASKED:
+        if ALIGNED:
+            valid = live[:, None] & (col < n)
+        else:
+            # lead <= column < lead + n as one unsigned comparison
+            valid = live[:, None] & ((col - lead[:, None]).to(tl.uint32, bitcast=True) < n.to(tl.uint32))
+    else:
+        valid = None
+    theta_ptr = _pointer(tl.load(tensor + _PARAM), PARAM_DTYPE, ALIGNED) + first + position
+    theta = tl.load(theta_ptr, mask=valid).to(COMPUTE_DTYPE)
+    if g is None:
+        g = tl.load(_pointer(tl.load(tensor + _GRAD), GRAD_DTYPE, ALIGNED) + first + position,
+                    mask=valid).to(COMPUTE_DTYPE)
+    if HAS_MOMENTUM:
+        v_ptr = _pointer(tl.load(tensor + _MOMENTUM), COMPUTE_DTYPE, ALIGNED) + first + position
+        gamma = tl.load(schedule + 2).to(COMPUTE_DTYPE)
+        d = (1.0 - gamma) * tl.load(v_ptr, mask=valid) + gamma * g
+        tl.store(v_ptr, d, mask=valid)
+    else:
+        d = g
+    dot = d.to(tl.float64) * theta.to(tl.float64)
+    if MASKED:
+        dot = tl.where(valid, dot, 0.0)
+    best, d_best = _argmax_abs_rows(d, valid, col)
+    # The reference's two roundings: theta scaled and rounded to its dtype, then the winner's rounded value
+    # moved to the vertex and rounded again; held in registers, so theta is stored once.
+    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
+    scaled = to_storage((1.0 - alpha) * theta, PARAM_DTYPE)
+    radius = tl.load(radii + ball, mask=live, other=1.0)
+    sign = tl.where(d_best > 0, 1.0, tl.where(d_best < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
+    vertex = -radius.to(COMPUTE_DTYPE) * sign
+    moved = to_storage(scaled.to(COMPUTE_DTYPE) + alpha * vertex[:, None], PARAM_DTYPE)
+    tl.store(theta_ptr, tl.where(col == best[:, None], moved, scaled), mask=valid)
+    tl.store(ball_gap + ball, tl.sum(dot, axis=1) + tl.abs(d_best.to(tl.float64)) * radius, mask=live)
+
+
+@triton.jit(do_not_specialize=["key_lo", "key_hi", "n_tangents"])
+def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, ball_gap, key_lo, key_hi, n_tangents,
+                    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                    HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr,
+                    ALIGNED: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr):
+    # ``program_group`` maps a program to its group's row of ``meta``. Program p of a group holds its
+    # balls (p - FIRST_PROGRAM) * BALLS + [0, BALLS), those past the group's BALLS masked off. Ball b
+    # (n elements from element b n) starts at stream index STREAM_BASE + b n, LEAD = that % 4
+    # positions into its tile row, which begins on the Philox call boundary before it.
+    # With ALIGNED, n and STREAM_BASE are multiples of 4 (LEAD = 0): offsets are built as multiples of 4
+    # so that the compiler sees it and vectorises.
+    program = tl.program_id(0)
+    group = meta + tl.load(program_group + program).to(tl.int64) * _META_STRIDE
+    tensor = meta + tl.load(group + _TENSOR) * _META_STRIDE
+    n_balls = tl.load(group + _BALLS)
+    first_row = (program - tl.load(group + _FIRST_PROGRAM)) * BALLS
+    row = tl.arange(0, BALLS)
+    live = first_row + row < n_balls
+    ball = tl.load(group + _FIRST_BALL) + first_row + row
+    if ALIGNED:
+        n4 = tl.load(group + _ROW_NUMEL) >> 2
+        first = first_row * n4 * 4  # the program's first element in the tensor
+        ball_start = row * n4.to(tl.int32) * 4  # each ball's first element past ``first``
+        n = n4.to(tl.int32) * 4
+        lead = None
+    else:
+        n64 = tl.load(group + _ROW_NUMEL)
+        first = first_row * n64
+        n = n64.to(tl.int32)
+        ball_start = row * n
+        lead = tl.zeros([BALLS], dtype=tl.int32)
+    if HAS_GRAD:
+        g = None
+    else:
+        stream = tl.load(group + _STREAM_BASE) + first
+        if ALIGNED:
+            tile_start = stream + ball_start
+        else:
+            lead = ((stream + ball_start) & 3).to(tl.int32)
+            tile_start = stream + (ball_start - lead)
+        # Each tile row's Philox calls, from the call that holds its ball's first element.
+        calls = (tile_start >> 2)[:, None] + tl.arange(0, SEG // 4)[None, :]
+        # Once, outside the full/partial split below, as in _fw_blocks_kernel.
+        g = _forward_gradient_rows(calls, schedule, tangent_coeffs, key_lo.to(tl.uint32, bitcast=True),
+                                   key_hi.to(tl.uint32, bitcast=True), n_tangents, COMPUTE_DTYPE, GAUSSIAN, BALLS,
+                                   SEG)
+    if ALIGNED:
+        # Every ball filling its tile row: unmasked, vectorised loads and stores.
+        if (n == SEG) & (first_row + BALLS <= n_balls):
+            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
+                         GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, SEG)
+        else:
+            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
+                         GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
+    else:
+        _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
+                     GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
 
 
 @triton.jit
 def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial_d, partial_index, partial_dot,
                         ball_gap, PARAM_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RBLOCK: tl.constexpr):
-    ball = tl.program_id(0)
-    first = tl.load(balls + 2 * ball)
-    end = first + tl.load(balls + 2 * ball + 1)
+    # balls: per long ball (first slot, number of slots, ball index in ball_radii and ball_gap).
+    program = tl.program_id(0)
+    first = tl.load(balls + 3 * program)
+    end = first + tl.load(balls + 3 * program + 1)
+    ball = tl.load(balls + 3 * program + 2)
     dot = tl.zeros([RBLOCK], dtype=tl.float64)
     # If every |d| is 0 the first slot wins, which is also what the first chunk's argmax returns.
     best = first
@@ -182,7 +389,8 @@ def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial
         best = tl.where(take, chunk + slot, best)
         best_d = tl.where(take, d, best_d)
     index = tl.load(partial_index + best)
-    theta_ptr = tl.load(meta + tl.load(block_tensor + best).to(tl.int64) * _META_STRIDE + _PARAM).to(
+    segment = meta + tl.load(block_tensor + best).to(tl.int64) * _META_STRIDE
+    theta_ptr = tl.load(meta + tl.load(segment + _TENSOR) * _META_STRIDE + _PARAM).to(
         tl.pointer_type(PARAM_DTYPE), bitcast=True) + index
     radius = tl.load(ball_radii + ball)
     d = best_d.to(COMPUTE_DTYPE)
@@ -202,15 +410,160 @@ def _gap_sum_kernel(ball_gap, gap, n_balls, RBLOCK: tl.constexpr):
     tl.store(gap, tl.sum(total))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RowLaunch:
+    """One launch of _fw_rows_kernel: the short balls of one size class."""
+    seg: int
+    balls: int  # balls per program
+    programs: int
+    program_group: torch.Tensor  # int32, program -> group row of the table
+    aligned: bool  # every ball starts on a Philox call boundary at a multiple of 4 elements
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layout:
+    """Everything about a step that does not depend on addresses, on the device (see _layout)."""
+    n_tensors: int
+    n_balls: int  # balls with elements: one share of the gap each
+    rows: torch.Tensor  # int64, the segment and group rows of the table (they follow the address rows)
+    radii: torch.Tensor  # float64, one per ball with elements, in ball order
+    slots: int  # blocks of the blocks path
+    block_tensor: torch.Tensor  # int32, slot -> segment row of the table
+    blocks_aligned: bool  # every segment starts on a Philox call boundary at a multiple of 4 elements
+    long_balls: torch.Tensor  # int64, per long ball (first slot, slots, ball index)
+    n_long_balls: int
+    row_launches: tuple
+
+
+def _row_seg(need: int) -> int:
+    return max(_MIN_ROW_SEG, 1 << (need - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Radii:
+    """A set of radii as a cache key that hashes by identity (see _radii_token)."""
+    values: tuple
+
+
+_RECENT_RADII = []  # [(list of radii, _Radii)], most recent first
+_RECENT_RADII_MAX = 8
+
+
+def _radii_token(radii: Sequence[float]) -> _Radii:
+    """The one token for radii of this content among the recent ones. Hashing a tuple of 12,300 radii
+    (the 12 x 1024 MLP) costs more host time than the step's kernels take on a GPU; comparing with the
+    last list costs a few microseconds when the caller passes the same float objects again (the list
+    comparison skips identical objects), and a plain comparison when not."""
+    radii = radii if isinstance(radii, list) else list(radii)
+    for i, (values, token) in enumerate(_RECENT_RADII):
+        if values == radii:
+            if i:
+                _RECENT_RADII.insert(0, _RECENT_RADII.pop(i))
+            return token
+    token = _Radii(tuple(radii))
+    _RECENT_RADII.insert(0, (list(radii), token))
+    del _RECENT_RADII[_RECENT_RADII_MAX:]
+    return token
+
+
 @functools.lru_cache(maxsize=64)
-def _tables(device: torch.device, rows: tuple, block_counts: tuple, balls: tuple, radii: tuple):
-    """Uploads the per-tensor table, the block -> tensor map and the balls; cached by content, so the
-    copy happens once per set of tensors (a new content, e.g. a moved tensor, is a new entry)."""
-    block_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32),
-                                           torch.tensor(block_counts, dtype=torch.int64))
-    host = (torch.tensor(rows, dtype=torch.int64), block_tensor, torch.tensor(balls, dtype=torch.int64),
-            torch.tensor(radii, dtype=torch.float64))
-    return tuple(x.to(device, non_blocking=True) for x in host)
+def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tuple, radii_token: _Radii,
+            global_ball: bool, has_grad: bool) -> _Layout:
+    """Lays out the balls of a step and uploads the tables; cached by content, so this (the only
+    per-row and per-ball host work) runs once per layout. ``streams``: the tensors' stream offsets (0s
+    for the gradient path, which reads no stream); the arguments are already checked, but for the
+    radii's values, checked here so that a step repeats no per-ball work."""
+    radii = radii_token.values
+    for r, radius in enumerate(radii):
+        if not math.isfinite(radius) or radius <= 0:  # as the C++ kernels: every backend rejects the same inputs
+            raise ValueError(f"radii[{r}] must be a finite radius > 0, got {radius}")
+    n_tensors = len(numels)
+    rows = []  # table rows past the address rows, _META_STRIDE values each
+    block_runs = []  # (segment row, blocks)
+    long_balls = []
+    live_radii = []
+    groups = {}  # seg -> [(group row, programs)]
+    aligned_classes = {}  # seg -> aligned
+    blocks_aligned = True
+    slots = 0
+    class_programs = {}  # seg -> programs so far
+
+    def add_segment(t: int, start: int, numel: int) -> tuple[int, int]:
+        """A run of blocks over elements [start, start + numel) of tensor t; returns (first slot, blocks)."""
+        nonlocal blocks_aligned, slots
+        stream = 0 if has_grad else streams[t] + start
+        lead = stream % 4
+        blocks = triton.cdiv(numel + lead, BLOCK)
+        first_slot = slots
+        slots += blocks
+        blocks_aligned = blocks_aligned and lead == 0 and start % 4 == 0
+        block_runs.append((n_tensors + len(rows), blocks))
+        rows.append((t, start, numel, stream - lead, lead, first_slot, 0, 0))
+        return first_slot, blocks
+
+    radius_at = 0
+    for t, numel in enumerate(numels):
+        n = row_numel[t] or numel
+        n_balls = numel // n if row_numel[t] else 1
+        tensor_radii = radii[radius_at:radius_at + n_balls]
+        radius_at += n_balls
+        if global_ball:
+            if numel:
+                add_segment(t, 0, numel)
+            continue
+        if numel == 0:
+            continue  # an empty ball: no element, nothing moves, no share of the gap
+        # The largest lead of a ball (stream index of its first element % 4), periodic in 4 balls.
+        lead = 0 if has_grad else max((streams[t] + b * n) % 4 for b in range(min(n_balls, 4)))
+        seg = _row_seg(n + lead)
+        if seg > _MAX_ROW_SEG:
+            for b in range(n_balls):
+                first_slot, blocks = add_segment(t, b * n, n)
+                long_balls.append((first_slot, blocks, len(live_radii)))
+                live_radii.append(tensor_radii[b])
+            continue
+        programs = triton.cdiv(n_balls, BLOCK // seg)
+        first_program = class_programs.get(seg, 0)
+        class_programs[seg] = first_program + programs
+        groups.setdefault(seg, []).append((n_tensors + len(rows), programs))
+        rows.append((t, n, n_balls, 0 if has_grad else streams[t], first_program, len(live_radii), 0, 0))
+        live_radii.extend(tensor_radii)
+        aligned_classes[seg] = aligned_classes.get(seg, True) and n % 4 == 0 and (has_grad or streams[t] % 4 == 0)
+    if global_ball and block_runs:
+        long_balls.append((0, slots, 0))
+        live_radii.append(radii[0])
+
+    def upload(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    def runs(pairs):
+        """int32 map: each (row, count) as count copies of row."""
+        pairs = [(r, c) for r, c in pairs if c]
+        if not pairs:
+            return torch.empty(0, dtype=torch.int32, device=device)
+        values, counts = zip(*pairs)
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.int32),
+                                       torch.tensor(counts, dtype=torch.int64)).to(device, non_blocking=True)
+
+    row_launches = []
+    for seg in sorted(groups):
+        program_group = runs(groups[seg])
+        row_launches.append(_RowLaunch(seg=seg, balls=BLOCK // seg, programs=program_group.numel(),
+                                       program_group=program_group, aligned=aligned_classes[seg]))
+    return _Layout(n_tensors=n_tensors, n_balls=len(live_radii), rows=upload(rows, torch.int64).view(-1),
+                   radii=upload(live_radii, torch.float64), slots=slots,
+                   block_tensor=runs(block_runs), blocks_aligned=blocks_aligned,
+                   long_balls=upload(long_balls, torch.int64).view(-1), n_long_balls=len(long_balls),
+                   row_launches=tuple(row_launches))
+
+
+@functools.lru_cache(maxsize=64)
+def _meta(layout: _Layout, addresses: tuple) -> torch.Tensor:
+    """The table: one address row per tensor (param, momentum, grad; 0 where absent), then the layout's
+    rows; cached by the addresses, so a step on the same tensors uploads nothing."""
+    host = torch.zeros(layout.n_tensors, _META_STRIDE, dtype=torch.int64)
+    host[:, :3] = torch.tensor(addresses, dtype=torch.int64).view(-1, 3)
+    return torch.cat((host.view(-1).to(layout.rows.device, non_blocking=True), layout.rows))
 
 
 def _check_tensor_list(name: str, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
@@ -226,10 +579,26 @@ def _check_tensor_list(name: str, tensors: Sequence[torch.Tensor], params: Seque
 
 
 def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                gap) -> None:
+                gap, row_numel) -> None:
+    """Checks everything but the radii's values (see _layout); ``row_numel`` has one entry per param."""
     check_distribution(distribution)
     if gap.dtype != torch.float64 or gap.numel() != 1:
         raise ValueError(f"gap must be a float64 tensor with one element, got {gap.dtype} of shape {tuple(gap.shape)}")
+    # row_numel and the number of radii as the C++ checks (csrc/op_args.cpp) and reference.ball_layout
+    balls = 0
+    for t, (p, n) in enumerate(zip(params, row_numel)):
+        if n < 0 or (n > 0 and p.numel() % n):
+            raise ValueError(f"row_numel[{t}] must be 0 (one ball) or a row length that divides the {p.numel()} "
+                             f"elements of params[{t}], got {n}")
+        if global_ball and n:
+            raise ValueError("row_numel must be all 0 for the global ball (one ball over every tensor)")
+        balls += p.numel() // n if n else 1
+    if global_ball and len(radii) != 1:
+        raise ValueError(f"radii must hold one radius when global_ball is true, got {len(radii)}")
+    if not global_ball and len(radii) != balls:
+        raise ValueError(f"radii must hold one radius per ball ({balls}, "
+                         f"{'one per row of each tensor with a row_numel' if any(row_numel) else 'one per parameter'})"
+                         f", got {len(radii)}")
     if not params:
         return
     device, dtype = params[0].device, params[0].dtype
@@ -268,13 +637,6 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
         # as the reference: tensors sharing an offset would share tangent values, a biased estimate
         raise ValueError(f"offsets must give each of the {len(params)} params its non-negative stream offset for "
                          f"the forward gradient, got {list(offsets)}")
-    wanted = 1 if global_ball else len(params)
-    if len(radii) < wanted:
-        raise ValueError(f"radii must hold {'one radius (global ball)' if global_ball else 'one radius per parameter'}"
-                         f" ({wanted}), got {len(radii)}")
-    for t, r in enumerate(radii):
-        if not math.isfinite(r) or r <= 0:  # as the C++ kernels: every backend rejects the same inputs
-            raise ValueError(f"radii[{t}] must be a finite radius > 0, got {r}")
 
 
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -285,60 +647,64 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
 
     All params share one device and dtype (the optimizer calls once per group) and are contiguous;
     momentum has the compute dtype (float64 for float64 params, else float32); grads share one dtype.
-    The first call for a set of tensors uploads their table (a host-to-device copy, so warm up before
-    capturing a CUDA graph); later calls only launch kernels.
+    The first call for a set of tensors and balls uploads their tables (host-to-device copies, so warm
+    up before capturing a CUDA graph); later calls only launch kernels.
     """
-    _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap)
-    if any(row_numel):
-        raise NotImplementedError("row balls (row_numel) are not implemented in the Triton step yet")
-    has_grad, has_momentum = bool(grads), bool(momentum)
-    rows, block_counts, first_slots = [], [], []
-    aligned = True
-    slot = 0
-    for t, p in enumerate(params):
-        # The gradient path reads no stream (offsets are ignored), so its blocks start at element 0.
-        offset = 0 if has_grad else offsets[t]
-        lead = offset % 4
-        addresses = (p.data_ptr(), momentum[t].data_ptr() if has_momentum else 0,
-                     grads[t].data_ptr() if has_grad else 0)
-        aligned = aligned and lead == 0 and all(a % 16 == 0 for a in addresses)
-        rows.append((*addresses, p.numel(), offset - lead, lead, slot))
-        block_counts.append(triton.cdiv(p.numel() + lead, BLOCK) if p.numel() else 0)
-        first_slots.append(slot)
-        slot += block_counts[-1]
-    if slot == 0:
+    if row_numel and len(row_numel) != len(params):
+        raise ValueError(f"row_numel must be empty or hold one row length per parameter ({len(params)}), "
+                         f"got {len(row_numel)}")
+    row_numel = tuple(int(n) for n in row_numel) if row_numel else (0,) * len(params)
+    _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap,
+                row_numel)
+    if not params:
         gap.zero_()
         return
-    if global_ball:
-        balls, ball_radii = ((0, slot),), (float(radii[0]),)
-    else:
-        live = [t for t, n in enumerate(block_counts) if n]
-        balls = tuple((first_slots[t], block_counts[t]) for t in live)
-        ball_radii = tuple(float(radii[t]) for t in live)
+    has_grad, has_momentum = bool(grads), bool(momentum)
     device = params[0].device
-    meta, block_tensor, balls_t, radii_t = _tables(device, tuple(rows), tuple(block_counts), balls, ball_radii)
-    partial_d = torch.empty(slot, dtype=torch.float64, device=device)
-    partial_index = torch.empty(slot, dtype=torch.int64, device=device)
-    partial_dot = torch.empty(slot, dtype=torch.float64, device=device)
+    # The gradient path reads no stream (offsets are ignored): its tiles start at their first element.
+    layout = _layout(device, tuple(p.numel() for p in params), row_numel,
+                     (0,) * len(params) if has_grad else tuple(int(o) for o in offsets), _radii_token(radii),
+                     bool(global_ball), has_grad)
+    if layout.n_balls == 0:
+        gap.zero_()
+        return
+    addresses = tuple(a for t, p in enumerate(params) for a in (
+        p.data_ptr(), momentum[t].data_ptr() if has_momentum else 0, grads[t].data_ptr() if has_grad else 0))
+    meta = _meta(layout, addresses)
+    aligned = all(a % 16 == 0 for a in addresses)
     # One ball writes its share straight into gap; several write shares that the last kernel sums.
-    ball_gap = gap if len(balls) == 1 else torch.empty(len(balls), dtype=torch.float64, device=device)
+    ball_gap = gap if layout.n_balls == 1 else torch.empty(layout.n_balls, dtype=torch.float64, device=device)
     key_lo, key_hi = key_words(seed)
     param_dtype = TL_DTYPES[params[0].dtype]
     compute_dtype = TL_DTYPES[reference.compute_dtype(params[0].dtype)]
-    # enable_fp_fusion=False: no FMA contraction, so every product and sum rounds as in the reference
-    # (it matters for ties in argmax |d| and costs nothing in a memory-bound kernel).
+    kernel_args = dict(
+        PARAM_DTYPE=param_dtype, GRAD_DTYPE=TL_DTYPES[grads[0].dtype] if has_grad else param_dtype,
+        COMPUTE_DTYPE=compute_dtype, HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum,
+        GAUSSIAN=distribution == reference.GAUSSIAN,
+        # enable_fp_fusion=False: no FMA contraction, so every product and sum rounds as in the reference
+        # (it matters for ties in argmax |d| and costs nothing in a memory-bound kernel).
+        enable_fp_fusion=False)
+    # With grads, tangent_coeffs is never read and may be an empty tensor on any device: pass a tensor
+    # known to be on the params' device in its place.
+    coeffs, n_tangents = (schedule, 0) if has_grad else (tangent_coeffs, tangent_coeffs.numel())
     with device_of(params[0]):
-        # With grads, tangent_coeffs is never read and may be an empty tensor on any device: pass a
-        # tensor known to be on the params' device in its place.
-        _fw_blocks_kernel[(slot,)](
-            block_tensor, meta, schedule, schedule if has_grad else tangent_coeffs, partial_d, partial_index,
-            partial_dot, key_lo, key_hi, 0 if has_grad else tangent_coeffs.numel(), PARAM_DTYPE=param_dtype,
-            GRAD_DTYPE=TL_DTYPES[grads[0].dtype] if has_grad else param_dtype, COMPUTE_DTYPE=compute_dtype,
-            HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum, GAUSSIAN=distribution == reference.GAUSSIAN,
-            ALIGNED=aligned, ROWS=ROWS, num_warps=_BLOCK_WARPS, enable_fp_fusion=False)
-        _fw_finalize_kernel[(len(balls),)](
-            balls_t, radii_t, block_tensor, meta, schedule, partial_d, partial_index, partial_dot, ball_gap,
-            PARAM_DTYPE=param_dtype, COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=4,
-            enable_fp_fusion=False)
-        if len(balls) > 1:
-            _gap_sum_kernel[(1,)](ball_gap, gap, len(balls), RBLOCK=_RBLOCK, num_warps=4)
+        for launch in layout.row_launches:
+            rows_aligned = aligned and launch.aligned
+            _fw_rows_kernel[(launch.programs,)](
+                launch.program_group, meta, schedule, coeffs, layout.radii, ball_gap, key_lo, key_hi, n_tangents,
+                ALIGNED=rows_aligned, BALLS=launch.balls, SEG=launch.seg,
+                num_warps=_BLOCK_WARPS if rows_aligned else 2 * _BLOCK_WARPS, **kernel_args)
+        if layout.slots:
+            partial_d = torch.empty(layout.slots, dtype=torch.float64, device=device)
+            partial_index = torch.empty(layout.slots, dtype=torch.int64, device=device)
+            partial_dot = torch.empty(layout.slots, dtype=torch.float64, device=device)
+            _fw_blocks_kernel[(layout.slots,)](
+                layout.block_tensor, meta, schedule, coeffs, partial_d, partial_index, partial_dot, key_lo, key_hi,
+                n_tangents, ALIGNED=aligned and layout.blocks_aligned, ROWS=ROWS, num_warps=_BLOCK_WARPS,
+                **kernel_args)
+            _fw_finalize_kernel[(layout.n_long_balls,)](
+                layout.long_balls, layout.radii, layout.block_tensor, meta, schedule, partial_d, partial_index,
+                partial_dot, ball_gap, PARAM_DTYPE=param_dtype, COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK,
+                num_warps=4, enable_fp_fusion=False)
+        if layout.n_balls > 1:
+            _gap_sum_kernel[(1,)](ball_gap, gap, layout.n_balls, RBLOCK=_RBLOCK, num_warps=4)
