@@ -3,5 +3,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# setup.sh has just built fgfw._C: the session fails (tests/conftest.py) if it does not import, instead
+# of skipping the kernel tests and running the optimizers on the reference backend.
+export FGFW_REQUIRE_EXTENSION=1
+# The CUDA kernels are compiled, GPU or not, when CMake finds nvcc (CUDACXX, $CUDA_PATH/bin or PATH, as
+# its check_language(CUDA) looks) and torch is a CUDA build, unless FGFW_CUDA=OFF: then they must be
+# registered. A value already set (e.g. 0) is kept.
+if [ -z "${FGFW_REQUIRE_CUDA_KERNELS:-}" ]; then
+  FGFW_REQUIRE_CUDA_KERNELS=0
+  fgfw_cuda=${FGFW_CUDA:-AUTO}
+  if [ "${fgfw_cuda^^}" != OFF ] \
+      && { [ -n "${CUDACXX:-}" ] || [ -x "${CUDA_PATH:-/nonexistent}/bin/nvcc" ] || command -v nvcc >/dev/null; } \
+      && .venv/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
+    FGFW_REQUIRE_CUDA_KERNELS=1
+  fi
+fi
+export FGFW_REQUIRE_CUDA_KERNELS
+echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_KERNELS=$FGFW_REQUIRE_CUDA_KERNELS"
 # The sources live under python/, so `import fgfw` here is the installed package with its compiled _C.
 .venv/bin/python -m pytest -q -ra tests "$@"

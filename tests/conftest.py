@@ -1,4 +1,11 @@
-"""Shared fixtures: the compiled ops, or a skip that says why they cannot run here."""
+"""Shared fixtures: the compiled ops, or a skip that says why they cannot run here.
+
+The session fails before any test runs when the compiled extension fgfw._C is expected and cannot be
+used: when it is there but does not import (a broken build), when ``FGFW_REQUIRE_EXTENSION=1`` and it
+is missing, and when ``FGFW_REQUIRE_CUDA_KERNELS=1`` and it has no CUDA kernels (scripts/test.sh sets
+these). Otherwise the kernel tests would skip and the optimizer tests run on the reference backend,
+and the suite would pass with no kernel tested. The last line of the session says which backends ran.
+"""
 import os
 
 import torch
@@ -11,14 +18,93 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+REQUIRE_EXTENSION = "FGFW_REQUIRE_EXTENSION"
+REQUIRE_CUDA_KERNELS = "FGFW_REQUIRE_CUDA_KERNELS"
+BUILD_COMMAND = "pip install --no-build-isolation -e . (or scripts/test.sh)"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "no", "false", "off")
+
+
+def _ops():
+    """fgfw._ops, with the import of fgfw._C attempted; None when fgfw itself does not import (the tests say why)."""
+    try:
+        from fgfw import _ops
+    except Exception:  # noqa: BLE001  (a broken fgfw fails every test module's import, with its traceback)
+        return None
+    _ops.extension_import_error()
+    return _ops
+
+
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CUDA")
+
+
+def _extension_failure(ops) -> str | None:
+    """Why this session must not run, or None."""
+    err = ops.extension_import_error()
+    if err is not None:
+        reason = f"{type(err).__name__}: {err}"
+        if not ops.extension_not_built(err):
+            return (f"the compiled extension fgfw._C is there but failed to import ({reason}); the kernel tests "
+                    f"would skip and the optimizers run on the reference backend. Rebuild it against torch "
+                    f"{torch.__version__}: {BUILD_COMMAND}")
+        if _flag(REQUIRE_EXTENSION):
+            return (f"{REQUIRE_EXTENSION}=1 but the compiled extension fgfw._C is not built ({reason}); "
+                    f"build it with: {BUILD_COMMAND}")
+        return None
+    if _flag(REQUIRE_CUDA_KERNELS) and not _has_cuda_kernels():
+        return (f"{REQUIRE_CUDA_KERNELS}=1 (scripts/test.sh sets it when nvcc is there at build time) but fgfw._C "
+                f"({ops.extension_file()}) was built without CUDA kernels: the CUDA build was skipped or failed; "
+                f"see the build log (FGFW_CUDA=ON makes a build without them an error)")
+    return None
+
+
+def backends_line() -> str:
+    """One line: which backends this session could use."""
+    ops = _ops()
+    if ops is None:
+        return "fgfw backends: fgfw does not import"
+    err = ops.extension_import_error()
+    if err is None:
+        cpu = f"cpu (fgfw._C loaded from {ops.extension_file()})"
+        cuda = "yes" if _has_cuda_kernels() else "no"
+    else:
+        cpu = f"cpu: fgfw._C not loaded ({type(err).__name__}: {err}), torch reference only"
+        cuda = "no"
+    if ops._triton_module() is None:
+        triton = "absent"
+    elif torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        triton = "compiled"
+    else:
+        triton = "interpreter"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return f"fgfw backends: {cpu}, cuda kernels registered: {cuda}, triton: {triton}, GPU: {gpu}"
+
+
+def pytest_sessionstart(session):
+    ops = _ops()
+    failure = None if ops is None else _extension_failure(ops)
+    if failure is not None:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(backends_line())
+        pytest.exit(f"fgfw: {failure}", returncode=pytest.ExitCode.TESTS_FAILED)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(backends_line())
+
 
 @pytest.fixture(scope="session")
 def fgfw_ops():
     """torch.ops.fgfw with the compiled kernels of fgfw._C loaded; skips when the extension is not built."""
-    try:
-        import fgfw._C  # noqa: F401  (registers the ops with the dispatcher)
-    except ImportError as exc:
-        pytest.skip(f"fgfw._C is not built ({exc}); build it with: pip install --no-build-isolation -e .")
+    ops = _ops()
+    err = ImportError("fgfw does not import") if ops is None else ops.extension_import_error()
+    if err is not None:
+        # only a module that was never built gets here: a broken one or a required one stops the session
+        pytest.skip(f"fgfw._C is not built ({type(err).__name__}: {err}); build it with: {BUILD_COMMAND}")
     return torch.ops.fgfw
 
 

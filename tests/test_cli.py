@@ -134,3 +134,90 @@ def test_schedule_specs_from_the_command_line():
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=False)["param_groups"][0]["step_size"](50) == pytest.approx(0.005)
+
+
+def _usage_error(capsys, argv):
+    """The exit status and stderr of ``fgfw argv``, which must stop with a usage error."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+# (option, bad value, what the message says): each must be refused by the parser (exit status 2, one
+# line naming the option) before any data is read or any folder is written
+BAD_OPTIONS = [
+    ("--batch-size", "0", "positive integer"),
+    ("--batch-size", "-8", "positive integer"),
+    ("--epochs", "0", "positive integer"),
+    ("--epochs", "x", "positive integer"),
+]
+
+
+@pytest.mark.parametrize("command", ["demo", "reproduce"])
+@pytest.mark.parametrize("option,value,expected", BAD_OPTIONS)
+def test_bad_counts_are_usage_errors_naming_the_option(command, option, value, expected, tmp_path,
+                                                        capsys):
+    out = tmp_path / "out"
+    code, err = _usage_error(capsys, [command, option, value, "--out", str(out)])
+    assert code == 2
+    assert f"argument {option}: " in err and expected in err and repr(value) in err
+    assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("command", ["demo", "reproduce"])
+def test_out_that_is_a_file_is_a_usage_error(command, tmp_path, capsys):
+    existing = tmp_path / "results.csv"
+    existing.write_text("keep me\n")
+    for out in (existing, existing / "run"):
+        code, err = _usage_error(capsys, [command, "--epochs", "1", "--out", str(out)])
+        assert code == 2 and "argument --out: " in err and str(existing) in err and "not a folder" in err
+        assert "Traceback" not in err and "digits:" not in err  # refused before the data is loaded
+    assert existing.read_text() == "keep me\n"
+
+
+def test_device_without_a_gpu_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out = tmp_path / "out"
+    for device in ("cuda", "cuda:0"):
+        code, err = _usage_error(capsys, ["reproduce", "--device", device, "--epochs", "1", "--seeds", "0",
+                                          "--methods", "fw", "--quiet", "--out", str(out)])
+        assert code == 2 and f"argument --device: {device!r}" in err and "no CUDA device" in err
+        assert "NVIDIA driver" not in err and not out.exists()
+    code, err = _usage_error(capsys, ["reproduce", "--device", "gpu0", "--out", str(out)])
+    assert code == 2 and "argument --device: 'gpu0'" in err and "cpu" in err
+
+
+def test_device_index_beyond_the_gpus_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, err = _usage_error(capsys, ["reproduce", "--device", "cuda:3", "--out", str(tmp_path / "out")])
+    assert code == 2 and "argument --device: 'cuda:3'" in err and "1 CUDA device" in err
+
+
+def test_data_that_is_a_file_or_missing_is_a_usage_error(tmp_path, capsys):
+    a_file = tmp_path / "t10k-images-idx3-ubyte.gz"
+    a_file.write_bytes(b"")
+    out = tmp_path / "out"
+    code, err = _usage_error(capsys, ["reproduce", "--data", str(a_file), "--out", str(out)])
+    assert code == 2 and "argument --data: " in err and "is a file, not a folder" in err and str(tmp_path) in err
+    code, err = _usage_error(capsys, ["reproduce", "--data", str(tmp_path / "missing"), "--out", str(out)])
+    assert code == 2 and "argument --data: " in err and "does not exist" in err
+    assert not out.exists()
+
+
+def test_usage_errors_from_the_command_line_are_one_line(tmp_path):
+    """The installed entry point: `python -m fgfw` prints usage and one error line, exit status 2."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "fgfw", "reproduce", "--batch-size", "0", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("fgfw reproduce: error: argument --batch-size: ")
+    assert not any("Traceback" in line for line in lines)

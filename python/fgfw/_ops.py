@@ -24,14 +24,53 @@ BACKENDS = ("cuda", "triton", "cpu", "torch")
 BACKEND_ENV_VAR = "FGFW_BACKEND"
 
 
+# Why ``fgfw._C`` did not import (None once it has): kept for the errors and reports that need it, since
+# without the module the 'cpu' and 'cuda' backends are simply missing and the reason would be lost.
+_extension_error: ImportError | None = None
+_extension_module = None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_extension() -> bool:
+    global _extension_error, _extension_module
     try:
-        from . import _C  # noqa: F401  (loaded for its side effect: registering the fgfw ops)
-    except ImportError:
+        from . import _C  # (loaded for its side effect: registering the fgfw ops)
+    except ImportError as err:
+        _extension_error = err
         return False
+    _extension_module = _C
     from . import _fake  # noqa: F401  (their fake implementations, for torch.compile)
     return True
+
+
+def extension_import_error() -> ImportError | None:
+    """The ImportError that ``import fgfw._C`` raised, or None when the compiled extension is loaded."""
+    _compiled_extension()
+    return _extension_error
+
+
+def extension_file() -> str | None:
+    """The file the compiled extension ``fgfw._C`` was loaded from, or None when it is not loaded."""
+    return getattr(_extension_module, "__file__", None) if _compiled_extension() else None
+
+
+def extension_not_built(err: ImportError | None) -> bool:
+    """Whether ``err`` (from :func:`extension_import_error`) says the module is absent, not broken."""
+    return isinstance(err, ModuleNotFoundError) and err.name == f"{__package__}._C"
+
+
+def _extension_problem(backend: str) -> str:
+    """Why the compiled kernels of ``backend`` ('cpu' or 'cuda') are missing, for an error message, or ''."""
+    err = extension_import_error()
+    if err is None:
+        if backend == "cuda" and not _has_kernel("l1_fw_step_", "CUDA"):
+            return "fgfw._C was built without CUDA kernels (FGFW_CUDA=OFF, or no nvcc at build time)"
+        return ""
+    if extension_not_built(err):
+        return (f"fgfw._C is not built ({type(err).__name__}: {err}); build it with: "
+                f"pip install --no-build-isolation .")
+    return (f"fgfw._C failed to import ({type(err).__name__}: {err}); rebuild it against the torch in use "
+            f"({torch.__version__}) with: pip install --no-build-isolation .")
 
 
 def _has_kernel(op: str, dispatch_key: str) -> bool:
@@ -87,10 +126,11 @@ def resolve_backend(backend: str | None, device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS} or 'auto', got {backend!r}")
     if not backend_available(backend, device):
+        problem = _extension_problem(backend) if backend in ("cpu", "cuda") else ""
         raise ValueError(
             f"{source}={backend!r} is not available for {device.type} tensors; available here: "
             f"{available_backends(device)} (the 'cpu' and 'cuda' backends need the compiled extension fgfw._C, "
-            f"'triton' needs triton and a GPU or TRITON_INTERPRET=1)")
+            f"'triton' needs triton and a GPU or TRITON_INTERPRET=1)" + (f"; {problem}" if problem else ""))
     return backend
 
 

@@ -49,6 +49,15 @@ def _progress(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
+def _make_out(out: str) -> None:
+    """Makes the --out folder (main has checked that no file is in the way)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out!r}: cannot make the folder ({err.strerror or err}); give a folder you can "
+                         f"write") from None
+
+
 def _write_history(out_dir: str, name: str, rows: list[dict]) -> None:
     write_csv(os.path.join(out_dir, f"{name}.csv"), rows)
 
@@ -85,7 +94,7 @@ def _plot_curves(path: str, summary: dict[str, list[dict]], title: str) -> None:
 def demo(args: argparse.Namespace) -> None:
     from .data import digits_split
 
-    os.makedirs(args.out, exist_ok=True)
+    _make_out(args.out)
     train_data, test_data = digits_split()
     histories, table = {}, []
     print(f"digits: {len(train_data[1])} train / {len(test_data[1])} test images (8x8); model 64-10-10-10-10-10 "
@@ -152,7 +161,7 @@ def reproduce(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     train_data, test_data = load(args.data)
     in_features = train_data[0].shape[1]
-    os.makedirs(args.out, exist_ok=True)
+    _make_out(args.out)
     configs = _reproduce_configs(args)
     name = "digits" if args.data in (None, "digits") else os.path.basename(os.path.normpath(args.data))
     n_params = sum(p.numel() for p in paper_mlp(in_features=in_features).parameters())
@@ -198,6 +207,93 @@ def reproduce(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """--out must be a folder that exists or can be made: refuses a file (at it or above it)."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path):
+        where = "" if path == os.path.abspath(out) else f" (in {out!r})"
+        parser.error(f"argument --out: {path!r}{where} is a file, not a folder; give a folder for the results "
+                     f"(it is made if missing)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"argument --out: {path!r} is not writable; give a folder for the results that you can write")
+
+
+def _check_data(parser: argparse.ArgumentParser, data: str | None) -> None:
+    """--data must be 'digits' or an existing folder (what is in it, data.mnist_split checks)."""
+    if data is None or data == "digits":
+        return
+    if not os.path.exists(data):
+        parser.error(f"argument --data: folder {data!r} does not exist; give 'digits' or a folder of MNIST IDX "
+                     f"files (nothing is downloaded)")
+    if not os.path.isdir(data):
+        parser.error(f"argument --data: {data!r} is a file, not a folder; give the folder that holds the MNIST IDX "
+                     f"files (e.g. {os.path.dirname(data) or '.'!r}) or 'digits'")
+
+
+def _check_device(parser: argparse.ArgumentParser, text: str) -> None:
+    """--device must name a device torch has here: checked before any tensor is made on it."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"argument --device: {text!r} is not a torch device; give cpu, cuda or cuda:N")
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            cuda = torch.version.cuda or "none: a CPU-only build"
+            parser.error(f"argument --device: {text!r} but torch finds no CUDA device here (torch "
+                         f"{torch.__version__}, CUDA {cuda}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            parser.error(f"argument --device: {text!r} but there {'is' if count == 1 else 'are'} {count} CUDA "
+                         f"device{'' if count == 1 else 's'} here (cuda:0 to cuda:{count - 1})")
+        return
+    if device.type == "meta":
+        parser.error(f"argument --device: {text!r} tensors hold no data and cannot be trained; use cpu or cuda")
+    module = getattr(torch, device.type, None)  # torch.mps, torch.xpu, ...
+    if callable(getattr(module, "is_available", None)) and not module.is_available():
+        parser.error(f"argument --device: {text!r} but torch finds no {device.type} device here; use --device cpu")
+    try:
+        torch.empty(0, device=device)
+    except Exception as err:  # noqa: BLE001  (whatever the device's runtime raises: reported in one line)
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
+        parser.error(f"argument --device: {text!r} cannot be used here ({reason}); use --device cpu or cuda")
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks the option types cannot make (they need the file system or the machine), before any run."""
+    _check_out(parser, args.out)
+    if hasattr(args, "data"):
+        _check_data(parser, args.data)
+    if hasattr(args, "device"):
+        _check_device(parser, args.device)
+
+
 def _seed_list(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
@@ -232,8 +328,8 @@ def _add_reproduce_parser(sub) -> None:
                         "alpha_k = 1/k and gamma_k = 1/sqrt(k) (AFGFW), one Gaussian tangent (= --preset paper)")
     p.add_argument("--methods", type=_method_list, default=["fw", "fgfw", "afgfw", "adam"],
                    help=f"comma-separated, from {','.join(METHODS)} (default fw,fgfw,afgfw,adam)")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=_positive_int, default=20)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], help="comma-separated (default 0,1,2)")
     p.add_argument("--radius", default=None,
                    help="L1 radius: a number, or 'init:S' = S x each ball's initial L1 norm (preset: tuned init:5, "
@@ -247,7 +343,8 @@ def _add_reproduce_parser(sub) -> None:
     p.add_argument("--afgfw-step-size", default=None, help="AFGFW alpha_k (as --fw-step-size; preset: tuned linear:0.004, paper 1/k)")
     p.add_argument("--averaging-weight", default=None, help="AFGFW gamma_k: a constant or 1/sqrt(k) (preset: tuned 0.1, paper 1/sqrt(k))")
     p.add_argument("--momentum", type=float, default=None, help="FW momentum rho (0 = none; preset: tuned 0.9, paper none)")
-    p.add_argument("--num-tangents", type=int, default=None, help="forward passes (tangents) per FGFW/AFGFW step (preset: tuned 16, paper 1)")
+    p.add_argument("--num-tangents", type=_positive_int, default=None,
+                   help="forward passes (tangents) per FGFW/AFGFW step (preset: tuned 16, paper 1)")
     p.add_argument("--tangent", choices=("gaussian", "rademacher"), default=None)
     p.add_argument("--estimator", choices=ESTIMATORS, default=None,
                    help="FGFW/AFGFW gradient estimate: 'weight' (the paper's: tangents over the parameters) or "
@@ -262,7 +359,7 @@ def _add_reproduce_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="Adam / SGD learning rate (no constraint)")
     p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="torch CPU threads (default 1: the paper's network is too small to gain from more; 0 = "
                         "torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -274,14 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fgfw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train the paper's MLP shape on scikit-learn's digits with FW, FGFW, AFGFW")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=_positive_int, default=30)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
     p.add_argument("--out", default="results/demo", help="folder for the CSVs, summary.json and loss_curves.png")
     p.set_defaults(run=demo)
     _add_reproduce_parser(sub)
     args = parser.parse_args(argv)
+    _check_args(sub.choices[args.command], args)
     try:
         args.run(args)
     except (FileNotFoundError, ValueError) as err:
