@@ -5,6 +5,7 @@ involved (backprop gradients, Rademacher tangents) parameters and momentum must 
 Gaussian tangents use the GPU's log/sin/cos and are compared with a tolerance. The gap is a float64
 sum in another order, hence a relative tolerance. Skips without a GPU or without the CUDA kernels.
 """
+import math
 import random
 
 import pytest
@@ -14,7 +15,8 @@ from fgfw import reference as ref
 
 import kernel_cases
 from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, assert_same_step,
-                          check_backprop_gradient, check_forward_gradient, flat_offsets, run_both, run_step)
+                          check_backprop_gradient, check_forward_gradient, check_row_balls, flat_offsets, row_radii,
+                          run_both, run_step)
 
 CUDA = "cuda"
 
@@ -324,3 +326,277 @@ def test_inf_and_nan_far_into_a_large_tensor(cuda_ops, global_ball):
     grads[0][60_000] = float("nan")
     expected, got = run_both(cuda_ops, params, [], grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT)
+
+
+# ---- Row balls (L1Ball scope="row", the op's row_numel) ----------------------------------------------
+# Balls of at most WARP_BALL elements (rows, and whole tensors that small) take the rows kernel, one
+# warp per ball; longer ones take the chunks kernel and the finalize, a long row being a ball of its own.
+# Radii that differ between the rows of a tensor are uploaded once and found again by their contents.
+
+WARP_BALL = 4096  # kMaxWarpBall in csrc/cuda/fw_step.cu
+
+
+def num_row_balls(shapes, row_numel):
+    return sum(1 if n == 0 else math.prod(s) // n for s, n in zip(shapes, row_numel))
+
+
+@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+def test_row_balls_match_reference(cuda_ops, dtype, distribution, momentum, grads):
+    check_row_balls(cuda_ops, CUDA, dtype, distribution, momentum, grads)
+
+
+def random_row_layout(rng, count):
+    """count tensors: matrices with one ball per row, 3-D tensors with rows of two slices, whole tensors."""
+    shapes, row_numel = [], []
+    for _ in range(count):
+        rows, width, kind = rng.randint(1, 4), rng.randint(1, 40), rng.random()
+        if kind < 0.6:
+            shapes.append((rows, width))
+            row_numel.append(width)
+        elif kind < 0.8:
+            shapes.append((rows, 2, width))
+            row_numel.append(2 * width)
+        else:
+            shapes.append((rows * width,))
+            row_numel.append(0)
+    return shapes, row_numel
+
+
+@pytest.mark.parametrize("per_row_radii", [False, True])
+def test_many_row_balls_over_several_rows_launches(cuda_ops, per_row_radii):
+    # 600 tensors (about 1,300 balls) fill three tables of the rows kernel; tensors 100 and 400 have
+    # balls longer than a warp's and take the chunks path in between. Streams start at every phase.
+    rng = random.Random(3)
+    shapes, row_numel = random_row_layout(rng, 600)
+    shapes[100], row_numel[100] = (3, WARP_BALL + 3), WARP_BALL + 3
+    shapes[400], row_numel[400] = (WARP_BALL + 1,), 0
+    balls = num_row_balls(shapes, row_numel)
+    radii = row_radii(shapes, row_numel) if per_row_radii else [1.5] * balls
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=21)
+    expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+    assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+    params, moms, _ = make_group(shapes, torch.bfloat16, momentum=False, grads=False, seed=22)
+    expected, got = run_both(cuda_ops, params, moms, [], radii=radii, distribution=RADEMACHER, row_numel=row_numel)
+    assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_row_balls_at_the_warp_ball_limit(cuda_ops, dtype, distribution):
+    # rows and whole tensors of WARP_BALL elements take the rows kernel, one more element the chunks
+    # path; every tensor's stream starts at another phase of a Philox call, so rows start mid-call
+    shapes = [(3, WARP_BALL), (2, WARP_BALL + 1), (WARP_BALL,), (WARP_BALL + 1,), (5, 7)]
+    row_numel = [WARP_BALL, WARP_BALL + 1, 0, 0, 7]
+    offsets = [1, 3 * WARP_BALL + 6, 5 * WARP_BALL + 11, 6 * WARP_BALL + 13, 8 * WARP_BALL]
+    params, moms, _ = make_group(shapes, dtype, momentum=True, grads=False, seed=23)
+    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.6, -0.4), radii=row_radii(shapes, row_numel),
+                             offsets=offsets, distribution=distribution, row_numel=row_numel)
+    if distribution == RADEMACHER:
+        assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+    else:
+        assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
+
+
+def test_mlp_rows_match_reference(cuda_ops):
+    # three layers of the 12 x 1024 benchmark MLP: 3,075 balls of 1,024 elements, all on the rows kernel
+    shapes = [s for _ in range(3) for s in ((1024, 1024), (1024,))]
+    row_numel = [1024, 0] * 3
+    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=24)
+    offsets = flat_offsets(params)
+    for distribution, tol, gap_rtol in ((RADEMACHER, EXACT, 1e-12), (GAUSSIAN, GAUSSIAN_TOL, 1e-5)):
+        expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.9,), radii=[1.0] * 3075, offsets=offsets,
+                                 distribution=distribution, row_numel=row_numel)
+        assert_same_step(expected, got, tol, gap_rtol=gap_rtol)
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_balls_on_unaligned_views(cuda_ops, dtype, distribution):
+    # params and momentum are views at an odd element shift, grads at another: rows take the scalar
+    # path, with streams starting at every phase
+    shapes, row_numel = [(9, 33), (4, 100), (2, 5000), (70,)], [33, 100, 5000, 0]
+    cdt = ref.compute_dtype(dtype)
+    gen = torch.Generator().manual_seed(25)
+
+    def views(out_dtype, shift, scale=1.0):
+        out = []
+        for s in shapes:
+            n = math.prod(s)
+            buffer = (scale * torch.randn(n + shift, generator=gen, dtype=torch.float64)).to(out_dtype).to(CUDA)
+            out.append(buffer[shift:].view(s))
+        return out
+
+    params, moms, grads = views(dtype, 1, scale=0.1), views(cdt, 1), views(dtype, 3)
+    radii = row_radii(shapes, row_numel)
+    offsets = [3, 400, 1001, 11_002]
+    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.5, 0.25), radii=radii, offsets=offsets,
+                             distribution=distribution, row_numel=row_numel)
+    tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL
+    assert_same_step(expected, got, tol, gap_rtol=1e-12 if distribution == RADEMACHER else 1e-5)
+    expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+    assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+
+
+def test_row_balls_tie_lowest_index_of_each_row(cuda_ops):
+    # ties within rows of 4 (one lane), and in rows of 300 between lanes: element 130 (lane 0) and 5
+    # (lane 1) tie in row 0, elements 37 and 290 in row 1; the lowest index wins each time
+    params = [torch.full((3, 4), 0.01, device=CUDA), torch.zeros(2, 300, device=CUDA)]
+    wide = torch.zeros(2, 300)
+    wide[0, 130], wide[0, 5], wide[0, 7] = 1.0, -1.0, 0.5
+    wide[1, 290], wide[1, 37], wide[1, 36] = 2.0, 2.0, -1.0
+    grads = [torch.tensor([[1.0, -1.0, 1.0, 1.0], [-2.0, 2.0, 2.0, -2.0], [0.5, 0.5, -0.5, 0.5]]), wide]
+    expected, got = run_both(cuda_ops, params, [], [g.to(CUDA) for g in grads], schedule=(1, 0.5, 1.0),
+                             radii=[1.0, 2.0, 3.0, 4.0, 5.0], offsets=[], row_numel=[4, 300])
+    assert_same_step(expected, got, EXACT)
+    assert got[0][0][:, 0].tolist() == pytest.approx([0.005 - 0.5, 0.005 + 1.0, 0.005 - 1.5], rel=1e-6)
+    theta = got[0][1].cpu()
+    assert theta[0].nonzero().flatten().tolist() == [5] and theta[0, 5] == 2.0
+    assert theta[1].nonzero().flatten().tolist() == [37] and theta[1, 37] == -2.5
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_rademacher_rows_everywhere_tied_pick_each_rows_first_element(cuda_ops, momentum):
+    # |d| = |c gamma| everywhere: ties between the lanes of a warp, and between the chunks of long rows
+    shapes, row_numel = [(40, 7), (3, 1000), (2, 9000), (33,)], [7, 1000, 9000, 0]
+    params = [torch.zeros(s, device=CUDA) for s in shapes]
+    moms = [torch.zeros(s, device=CUDA) for s in shapes] if momentum else []
+    balls = num_row_balls(shapes, row_numel)
+    expected, got = run_both(cuda_ops, params, moms, [], schedule=(3, 1.0, 0.5), coeffs=(0.5,), radii=[1.0] * balls,
+                             distribution=RADEMACHER, row_numel=row_numel)
+    assert_same_step(expected, got, EXACT)
+    for p, n in zip(got[0], row_numel):
+        rows = p.reshape(-1, n if n else p.numel())
+        assert (rows[:, 0] != 0).all() and rows[:, 1:].count_nonzero() == 0
+
+
+def test_nan_and_inf_in_rows_match_reference(cuda_ops):
+    # NaN is the largest |d| of its row and has sign 0: that row is only scaled, the gap is NaN;
+    # an inf wins its row; the other rows are untouched by either
+    params, _, grads = make_group([(4, 50), (2, 5000), (9,)], torch.float32, momentum=False, grads=True, seed=26)
+    grads[0][1, 10] = grads[0][1, 40] = float("nan")
+    grads[0][2, 3] = float("inf")
+    grads[1][0, 4500] = float("nan")
+    expected, got = run_both(cuda_ops, params, [], grads, radii=[1.0 + b for b in range(7)], offsets=[],
+                             row_numel=[50, 5000, 0])
+    assert_same_step(expected, got, EXACT)
+    assert torch.isnan(got[2])
+    params, _, grads = make_group([(4, 50)], torch.float32, momentum=False, grads=True, seed=27)
+    grads[0][2, 3] = float("-inf")
+    expected, got = run_both(cuda_ops, params, [], grads, radii=[1.0, 2.0, 3.0, 4.0], offsets=[], row_numel=[50])
+    assert_same_step(expected, got, EXACT)
+    assert torch.isinf(got[2])
+
+
+@pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+def test_row_balls_cuda_equals_cpu_kernel(cuda_ops, dtype, distribution):
+    shapes, row_numel = [(64, 33), (50_001,), (3, 10_000), (17,), (2, 3, 5)], [33, 0, 10_000, 0, 15]
+    params, moms, _ = make_group(shapes, dtype, momentum=True, grads=False, seed=28, device="cpu")
+    kwargs = dict(schedule=(12, 0.05, 0.2), coeffs=(0.8, 0.3), radii=row_radii(shapes, row_numel), global_ball=False,
+                  offsets=[6, 2_200, 60_000, 90_003, 90_021], seed=-11, distribution=distribution,
+                  row_numel=row_numel)
+    on_cpu = run_step(cuda_ops.l1_fw_step_, params, moms, [], **kwargs)
+    on_cuda = run_step(cuda_ops.l1_fw_step_, [p.to(CUDA) for p in params], [m.to(CUDA) for m in moms], [], **kwargs)
+    tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL
+    assert_same_step(on_cpu, on_cuda, tol, gap_rtol=1e-12 if distribution == RADEMACHER else 1e-5)
+
+
+def test_row_radii_are_found_again_by_their_contents(cuda_ops):
+    # twelve different radii arrays (more than the cache keeps per device), then the first ones
+    # again: every step uses its own radii, whatever was uploaded before
+    shapes, row_numel = [(30, 20), (20,), (5, 9)], [20, 0, 9]
+    balls = num_row_balls(shapes, row_numel)
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=29)
+    for k in list(range(12)) + [0, 1, 11]:
+        radii = [0.5 + 0.1 * k + 0.01 * b for b in range(balls)]
+        expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+        assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+
+
+ROW_GRAPH_LAYOUTS = {
+    # rows kernel and the one-block gap sum only
+    "short": ([(48, 32), (48,), (10, 48), (10,), (3, 5, 7)], [32, 0, 48, 0, 35]),
+    # chunks kernel, rows kernel and the finalize
+    "mixed": ([(48, 32), (48,), (5, 6000), (10, 48), (10_000,)], [32, 0, 6000, 48, 0]),
+}
+
+
+@pytest.mark.parametrize("per_row_radii", [False, True])
+@pytest.mark.parametrize("layout", sorted(ROW_GRAPH_LAYOUTS))
+def test_row_ball_graph_replay_equals_eager(cuda_ops, layout, per_row_radii):
+    shapes, row_numel = ROW_GRAPH_LAYOUTS[layout]
+    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=30)
+    offsets = flat_offsets(params)
+    balls = num_row_balls(shapes, row_numel)
+    # per-row radii that no other test uses: the warm-up step is the one that uploads them
+    radii = [0.75 + 0.125 * b + 0.5 * (b % 3) for b in range(balls)] if per_row_radii else [2.5] * balls
+    schedules = [(k, 2.0 / (k + 2), min(1.0, 4.0 / (k + 3))) for k in range(1, 5)]
+    coeff_values = [(0.3, -0.1), (-1.2, 0.4), (0.05, 0.9), (2.0, -2.0)]
+
+    def step(p, m, schedule, coeffs, gap, step_radii=radii):
+        cuda_ops.l1_fw_step_(p, m, [], schedule, coeffs, step_radii, False, offsets, 3, GAUSSIAN, gap, row_numel)
+
+    graph_p, graph_m = [x.clone() for x in params], [x.clone() for x in moms]
+    schedule = torch.zeros(3, dtype=torch.float64, device=CUDA)
+    coeffs = torch.zeros(2, dtype=torch.float64, device=CUDA)
+    gap = torch.empty((), dtype=torch.float64, device=CUDA)
+    warm_p, warm_m = [x.clone() for x in params], [x.clone() for x in moms]  # warm-up must not touch graph_p
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(warm_p, warm_m, schedule, coeffs, gap)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graph_p, graph_m, schedule, coeffs, gap)
+
+    # other radii uploaded after the capture (more than the cache keeps) must not evict the graph's
+    scratch_p, scratch_m = [x.clone() for x in params], [x.clone() for x in moms]
+    scratch_gap = torch.empty((), dtype=torch.float64, device=CUDA)
+    for k in range(10):
+        step(scratch_p, scratch_m, schedule, coeffs, scratch_gap, step_radii=[r + 0.001 * (k + 1) for r in radii])
+    torch.cuda.synchronize()
+
+    eager_p, eager_m = [x.clone() for x in params], [x.clone() for x in moms]
+    eager_gaps = []
+    for values, c in zip(schedules, coeff_values):
+        eager_gap = torch.empty((), dtype=torch.float64, device=CUDA)
+        step(eager_p, eager_m, torch.tensor(values, dtype=torch.float64, device=CUDA),
+             torch.tensor(c, dtype=torch.float64, device=CUDA), eager_gap)
+        eager_gaps.append(eager_gap)
+    for k, (values, c) in enumerate(zip(schedules, coeff_values)):
+        schedule.copy_(torch.tensor(values, dtype=torch.float64))
+        coeffs.copy_(torch.tensor(c, dtype=torch.float64))
+        graph.replay()
+        assert gap.item() == eager_gaps[k].item()
+    assert_same_step((eager_p, eager_m, eager_gaps[-1]), (graph_p, graph_m, gap), EXACT, gap_rtol=0)
+
+
+@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("per_row_radii", [False, True])
+@pytest.mark.parametrize("layout", sorted(ROW_GRAPH_LAYOUTS))
+def test_row_ball_step_never_synchronises(cuda_ops, layout, per_row_radii, grads):
+    shapes, row_numel = ROW_GRAPH_LAYOUTS[layout]
+    params, moms, grad_list = make_group(shapes, torch.bfloat16, momentum=True, grads=grads, seed=31)
+    schedule = torch.tensor([3.0, 0.1, 0.5], dtype=torch.float64, device=CUDA)
+    coeffs = torch.tensor([0.5, 0.25], dtype=torch.float64, device=CUDA)
+    gap = torch.empty((), dtype=torch.float64, device=CUDA)
+    balls = num_row_balls(shapes, row_numel)
+    radii = [1.0 + 0.0625 * b for b in range(balls)] if per_row_radii else [1.0] * balls
+
+    def step():
+        cuda_ops.l1_fw_step_(params, moms, grad_list, schedule, coeffs, radii, False, flat_offsets(params), 1,
+                             GAUSSIAN, gap, row_numel)
+
+    step()  # warm-up: uploads per-row radii
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -5,8 +5,9 @@ csrc/cuda/fw_step.cu and csrc/cuda/tangent.cu are compiled for sm_90, device cod
 -Xptxas -v. No kernel may spill or keep a stack frame (local memory), and each must fit the blocks
 per SM that its __launch_bounds__ asks for, 256 threads a block: 4 for the float-accumulating
 chunk kernels (64 registers, kMinChunkBlocks in fw_step.cu), 3 for the double ones (80), 8 for the
-fill kernels (32, kBlocksPerSm in tangent.cu). About 15 s on two cores. Skips without nvcc or a
-CUDA build of torch.
+fill kernels (32, kBlocksPerSm in tangent.cu). The rows kernels run one-warp blocks, as many warps
+per SM as the chunk kernels (kMinRowBlocks: 32 or 24 blocks of 32 threads), so the same limits
+hold. About 15 s on two cores. Skips without nvcc or a CUDA build of torch.
 """
 import concurrent.futures
 import os
@@ -96,9 +97,12 @@ def _kernels(report, stem):
 
 
 def test_every_kernel_was_reported(ptxas_report):
-    # 4 parameter dtypes x (3 sources x 2 momentum chunk kernels + 1 finalize) + 4 fill kernels
+    # 4 parameter dtypes x (3 sources x 2 momentum chunk and rows kernels + 1 finalize) + 1 gap sum
+    # + 4 fill kernels
     assert len(_kernels(ptxas_report, "16fw_chunks_kernel")) >= 24
+    assert len(_kernels(ptxas_report, "14fw_rows_kernel")) >= 24
     assert len(_kernels(ptxas_report, "18fw_finalize_kernel")) >= 4
+    assert len(_kernels(ptxas_report, "20fw_sum_shares_kernel")) >= 1
     assert len(_kernels(ptxas_report, "19fill_tangent_kernel")) >= 4
 
 
@@ -111,6 +115,9 @@ def test_no_kernel_spills_or_has_a_stack_frame(ptxas_report):
 @pytest.mark.parametrize("stem,dtype_mangling,blocks_per_sm", [
     ("16fw_chunks_kernel", ("IN3c104Half", "IN3c108BFloat16", "If"), 4),
     ("16fw_chunks_kernel", ("Id",), 3),
+    # 32 (24) one-warp blocks hold the registers of 4 (3) blocks of 256 threads
+    ("14fw_rows_kernel", ("IN3c104Half", "IN3c108BFloat16", "If"), 4),
+    ("14fw_rows_kernel", ("Id",), 3),
     ("19fill_tangent_kernel", ("IN3c104Half", "IN3c108BFloat16", "If", "Id"), 8),
 ])
 def test_kernels_fit_their_blocks_per_sm(ptxas_report, stem, dtype_mangling, blocks_per_sm):

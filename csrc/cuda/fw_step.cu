@@ -1,22 +1,35 @@
-// l1_fw_step_ on CUDA: one fused Frank-Wolfe step over L1 ball(s) for a group of tensors, in two
+// l1_fw_step_ on CUDA: one fused Frank-Wolfe step over L1 ball(s) for a group of tensors, in a few
 // kernels and no host synchronisation (DESIGN.md "The fused step").
 //
-// 1. fw_chunks_kernel walks every tensor of the group in chunks (multi_tensor.cuh). Per group of
-//    four elements it regenerates the tangents in registers (one Philox call per tangent) or reads
-//    the gradient, updates the momentum, accumulates <d, theta_old> and scales theta by (1 - alpha).
-//    Each chunk's block reduces (|d|, index) and the dot product into the chunk's slot. Block 0
-//    also publishes the per-tensor table the finalize needs (first slot, address, radius).
-// 2. fw_finalize_kernel, one block per ball (one per tensor, or one for the global ball), reduces
-//    its slots, moves the winning element to the vertex and writes its share of the gap; the last
-//    block to finish sums the shares into `gap`.
+// A ball is a whole tensor, one row of row_numel elements of a tensor (scope "row"), or every
+// tensor at once (the global ball). Balls of at most kMaxWarpBall elements take the rows path,
+// longer ones (and the global ball) the chunks path:
+// 1. fw_chunks_kernel walks every long ball in chunks (multi_tensor.cuh; a long row is a table row of
+//    its own, so no chunk spans two balls). Per group of four elements it regenerates the tangents
+//    in registers (one Philox call per tangent) or reads the gradient, updates the momentum,
+//    accumulates <d, theta_old> and scales theta by (1 - alpha). Each chunk's block reduces
+//    (|d|, index) and the dot product into the chunk's slot. Block 0 also publishes the per-ball
+//    table the finalize needs (first slot, address, radius).
+// 2. fw_rows_kernel gives each short ball to one warp (blocks of one warp, a grid-stride loop over
+//    balls): the same per-element update, then a warp reduction, the vertex move and the ball's
+//    share of the gap, with no slot and no finalize. Per launch, a table of up to kMaxRowEntries
+//    tensors (each tensor's rows, or the tensor as one row) is a __grid_constant__ argument; radii
+//    that differ from row to row live on the device, uploaded once and reused (DeviceRadii).
+// 3. fw_finalize_kernel, one block per long ball (or one for the global ball), reduces its slots,
+//    moves the winning element to the vertex and writes its share of the gap; its last block sums
+//    every ball's share (both paths') into `gap` in a fixed order. Without long balls,
+//    fw_sum_shares_kernel (one block) does that sum instead. So the step of a model whose balls are
+//    all short (rows of matrices, biases, small tensors) is two kernel launches.
 // Ties: slots are numbered in (tensor, element) order and every reduction prefers the lower index
 // among equal |d|, so the lowest index wins, across tensors too; NaN counts as the largest |d|, as
 // torch.argmax counts it. The schedule and coefficients are read by pointer on the device and the
-// workspace comes from the caching allocator, so a step can be captured in a CUDA graph.
+// workspace comes from the caching allocator, so a step can be captured in a CUDA graph (after one
+// eager step where rows have radii of their own, so that those are on the device already).
 // Arithmetic follows python/fgfw/reference.py operation by operation: every product and sum is an
 // explicitly rounded intrinsic, so nvcc cannot contract them into FMAs that round differently.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,6 +38,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -42,6 +57,21 @@ using cuda::TensorTable;
 
 constexpr int kThreads = 256;
 constexpr int kFinalizeThreads = 512;
+// The rows kernel's blocks are one warp each: a warp's ball index is then the block's, which
+// ptxas keeps with everything derived from it (the ball's geometry, its table entry) in uniform
+// registers. With ball indices that differ between the warps of a block, those move to ordinary
+// registers and the Gaussian AFGFW kernel spills at 64 of them.
+constexpr int kRowThreads = 32;
+// The one-block kernel that sums the balls' shares of the gap when there is no finalize.
+constexpr int kSumThreads = 1024;
+// Balls of at most this many elements take the rows path, one warp each. A warp moves 256 float
+// elements per memory round trip, so a ball of 4 Ki elements costs it 16 round trips: with many
+// balls the kernel is bandwidth-bound whatever their length, and with a few the longest one (the
+// critical path, some 10-20 us) costs about what a chunk launch and a finalize launch would. Longer
+// balls are split over chunks (blocks) and finalized by a second kernel.
+constexpr int64_t kMaxWarpBall = 4096;
+// Tensors per launch of the rows kernel: 256 entries keep its table argument under 16 KiB.
+constexpr int kMaxRowEntries = 256;
 
 // The table's lists.
 constexpr int kParamList = 0, kMomentumList = 1, kGradList = 2, kLists = 3;
@@ -59,6 +89,10 @@ constexpr int kUnroll = std::is_same_v<scalar_t, double> ? 1 : 2;
 // tests/test_kernel_resources.py holds the kernels to this.
 template <typename scalar_t>
 constexpr int kMinChunkBlocks = std::is_same_v<scalar_t, double> ? 3 : 4;
+// Blocks of kRowThreads per SM that __launch_bounds__ asks for: as many warps as kMinChunkBlocks
+// chunk blocks (64 registers a thread for float accumulation, 80 for double).
+template <typename scalar_t>
+constexpr int kMinRowBlocks = kMinChunkBlocks<scalar_t> * kThreads / kRowThreads;
 
 __device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
@@ -82,9 +116,12 @@ struct alignas(16) Slot {
   int32_t tensor;
 };
 
-// Device memory of one step (one caching-allocator block), written by the chunks kernel and read
-// by the finalize. ball_first_slot has num_tensors + 1 entries: tensor t owns slots
-// [ball_first_slot[t], ball_first_slot[t + 1]).
+// Device memory of one step (one caching-allocator block). The chunks kernel writes the slots and
+// the per-ball table of the chunks path, whose balls are the rows of its TensorTables (a tensor, or
+// a long row of one): ball_first_slot has num_chunk_balls + 1 entries, ball b owns slots
+// [ball_first_slot[b], ball_first_slot[b + 1]). ball_gap holds every ball's share of the gap:
+// [0, num_chunk_balls) for the chunks path (written by the finalize), then the rows path's balls in
+// order (written by the rows kernel); num_shares in all.
 struct Workspace {
   Slot* slots;
   int64_t* ball_first_slot;
@@ -92,7 +129,25 @@ struct Workspace {
   double* ball_radius;
   double* ball_gap;
   unsigned int* finished_blocks;
-  int num_tensors;
+  int num_chunk_balls;
+  int64_t num_shares;
+};
+
+// The rows kernel's per-launch table: entry e is a tensor whose balls are its rows of row_numel[e]
+// elements (a whole tensor is one row), balls [first_ball[e], first_ball[e + 1]) of the launch.
+template <int kLists>
+struct RowTable {
+  void* data[kLists][kMaxRowEntries];
+  int64_t first_ball[kMaxRowEntries];
+  int64_t first_group[kMaxRowEntries];   // the tensor's stream offset / 4
+  int64_t first_radius[kMaxRowEntries];  // the entry's row 0 in the device radii, or -1: every row has radius[e]
+  double radius[kMaxRowEntries];
+  int32_t row_numel[kMaxRowEntries];     // 1 .. kMaxWarpBall
+  int8_t lead[kMaxRowEntries];           // the tensor's stream offset % 4
+  bool vectorised[kMaxRowEntries];       // every list's group starts are Quad-aligned
+  int num_entries;
+  int64_t num_balls;    // in this launch
+  int64_t first_share;  // index in Workspace::ball_gap of the launch's ball 0
 };
 
 // A candidate vertex and a partial gap: d at the best |d| seen (abs_d = |d|), the ordering key of
@@ -183,6 +238,31 @@ __device__ __forceinline__ void store_group(T* base, int64_t j0, int64_t numel, 
   }
 }
 
+// The same for the rows kernel: `group` points at a group's element 0, whose index in its row is
+// j0; lanes outside the row [0, numel) are neither read nor written.
+template <typename T>
+__device__ __forceinline__ Quad<T> load_row_group(const T* group, int j0, int numel, bool whole_quad) {
+  if (whole_quad) return *reinterpret_cast<const Quad<T>*>(group);
+  Quad<T> q{};
+#pragma unroll
+  for (int lane = 0; lane < 4; ++lane) {
+    if (j0 + lane >= 0 && j0 + lane < numel) q.x[lane] = group[lane];
+  }
+  return q;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_row_group(T* group, int j0, int numel, bool whole_quad, const Quad<T>& q) {
+  if (whole_quad) {
+    *reinterpret_cast<Quad<T>*>(group) = q;
+    return;
+  }
+#pragma unroll
+  for (int lane = 0; lane < 4; ++lane) {
+    if (j0 + lane >= 0 && j0 + lane < numel) group[lane] = q.x[lane];
+  }
+}
+
 // g = sum_k coeff_k u_k for the four elements of Philox call q, accumulated in k order.
 template <Source kSource, typename acc_t>
 __device__ __forceinline__ void forward_gradient(acc_t g[4], uint64_t q, int64_t seed, int64_t step,
@@ -206,7 +286,7 @@ __device__ __forceinline__ void forward_gradient(acc_t g[4], uint64_t q, int64_t
   }
 }
 
-// Block 0's extra duty: the per-tensor facts the finalize needs, for this launch's rows.
+// Block 0's extra duty: the per-ball facts the finalize needs, for this launch's rows.
 __device__ void publish_balls(const TensorTable<kLists>& table, const Workspace& ws) {
   for (int r = threadIdx.x; r < table.num_rows; r += blockDim.x) {
     const int t = table.first_row + r;
@@ -215,8 +295,8 @@ __device__ void publish_balls(const TensorTable<kLists>& table, const Workspace&
     ws.ball_radius[t] = table.scalar[r];
   }
   if (threadIdx.x == 0) {
-    if (table.first_row + table.num_rows == ws.num_tensors) {
-      ws.ball_first_slot[ws.num_tensors] = table.chunk_base + table.num_chunks;
+    if (table.first_row + table.num_rows == ws.num_chunk_balls) {
+      ws.ball_first_slot[ws.num_chunk_balls] = table.chunk_base + table.num_chunks;
     }
     *ws.finished_blocks = 0;
   }
@@ -311,15 +391,43 @@ __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
   }
 }
 
+// *gap = the sum of all num_shares shares of the gap, in a fixed order (thread i takes shares i,
+// i + kBlock, ... in turn, then a fixed tree), so the same inputs give the same gap. Every thread of
+// the block calls it.
+template <int kBlock, typename acc_t>
+__device__ void sum_shares(const Workspace& ws, double* gap) {
+  constexpr int kLoads = 4;  // loads in flight per thread: the sum is the tail of the step
+  Candidate<acc_t> total = no_candidate<acc_t>();
+  for (int64_t b = threadIdx.x; b < ws.num_shares; b += kLoads * kBlock) {
+    double share[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      share[u] = b + u * kBlock < ws.num_shares ? __ldcg(ws.ball_gap + b + u * kBlock) : 0.0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (b + u * kBlock < ws.num_shares) total.dot = rn_add(total.dot, share[u]);
+    }
+  }
+  total = block_reduce<kBlock>(total);
+  if (threadIdx.x == 0) *gap = total.dot;
+}
+
+// The step's last kernel when the rows kernel wrote every share: one block.
+__global__ void __launch_bounds__(kSumThreads) fw_sum_shares_kernel(Workspace ws, double* gap) {
+  sum_shares<kSumThreads, double>(ws, gap);
+}
+
 // Block b reduces ball b's slots (all slots for the global ball), applies
 // theta_i* += alpha * (-r sign(d_i*)) and computes the ball's gap <d, theta_old> + r |d_i*|.
+// Unless the ball is global, the last block sums every ball's share (the rows path's too).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFinalizeThreads)
     fw_finalize_kernel(Workspace ws, const double* __restrict__ schedule, bool global_ball, double* gap) {
   using acc_t = acc_type<scalar_t>;
   const int ball = blockIdx.x;
   const int64_t begin = global_ball ? 0 : ws.ball_first_slot[ball];
-  const int64_t end = ws.ball_first_slot[global_ball ? ws.num_tensors : ball + 1];
+  const int64_t end = ws.ball_first_slot[global_ball ? ws.num_chunk_balls : ball + 1];
 
   Candidate<acc_t> best = no_candidate<acc_t>();
   for (int64_t s = begin + threadIdx.x; s < end; s += kFinalizeThreads) {
@@ -349,7 +457,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
   if (global_ball) return;
 
-  // The last block to finish sums every ball's share, in a fixed order.
+  // The last block to finish sums every ball's share (the rows kernel's too).
   __shared__ bool last_block;
   if (threadIdx.x == 0) {
     __threadfence();
@@ -357,19 +465,177 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
   __syncthreads();
   if (!last_block) return;
-  Candidate<acc_t> total = no_candidate<acc_t>();
-  for (int b = threadIdx.x; b < ws.num_tensors; b += kFinalizeThreads) {
-    total.dot = rn_add(total.dot, __ldcg(ws.ball_gap + b));
+  __threadfence();
+  sum_shares<kFinalizeThreads, acc_t>(ws, gap);
+}
+
+// The rows kernel's candidate, in fewer registers than Candidate (the ptxas budget of the rows
+// kernel is tight): |d| is recomputed from d, the key is the element's index in its row (an int),
+// and key < 0 means no element yet. theta is the element's theta as written, (1 - alpha) theta_old
+// rounded to the parameter dtype, so that the vertex move needs no load.
+template <typename acc_t>
+struct RowCandidate {
+  acc_t d;
+  acc_t theta;
+  int key;
+  double dot;
+};
+
+// Whether (d, key) beats `best` in argmax |d| (NaN largest, then the lower key).
+template <typename acc_t>
+__device__ __forceinline__ bool beats(acc_t d, int key, const RowCandidate<acc_t>& best) {
+  if (key < 0) return false;
+  if (best.key < 0) return true;
+  const acc_t a = abs_of(d), b = abs_of(best.d);
+  const bool a_nan = isnan(a), b_nan = isnan(b);
+  if (a_nan != b_nan) return a_nan;
+  if (a_nan || a == b) return key < best.key;
+  return a > b;
+}
+
+// The launch's entry holding ball b: the last entry whose first ball is <= b.
+template <int kLists>
+__device__ __forceinline__ int entry_of_ball(const RowTable<kLists>& table, int64_t b) {
+  int lo = 0, hi = table.num_entries - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table.first_ball[mid] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
   }
-  total = block_reduce<kFinalizeThreads>(total);
-  if (threadIdx.x == 0) *gap = total.dot;
+  return lo;
+}
+
+// The rows path: block (one warp) w takes balls w, w + gridDim.x, ... of the launch. Per ball it
+// runs the element update of the chunks kernel over the ball's groups (a row may start and end in
+// the middle of a Philox call), reduces (|d|, index) and <d, theta_old> over its lanes in a fixed
+// tree, and lane 0 moves the winner to the vertex and writes the ball's share of the gap.
+template <typename scalar_t, Source kSource, bool kMomentum>
+__global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
+    fw_rows_kernel(const __grid_constant__ RowTable<kLists> table, const double* __restrict__ schedule,
+                   const double* __restrict__ coeffs, int num_tangents, int64_t seed,
+                   const double* __restrict__ radii, Workspace ws) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t step = static_cast<int64_t>(schedule[0]);
+  const acc_t gamma = static_cast<acc_t>(schedule[2]);
+  const acc_t keep_theta = acc_t(1) - static_cast<acc_t>(schedule[1]);
+  const acc_t keep_v = acc_t(1) - gamma;
+  const int warp_lane = threadIdx.x;
+
+  for (int64_t b = blockIdx.x; b < table.num_balls; b += gridDim.x) {
+    const int e = entry_of_ball(table, b);
+    const int64_t row = b - table.first_ball[e];
+    const int numel = table.row_numel[e];
+    const int lead = table.lead[e];
+    // Groups follow the tensor's stream: tensor group g holds its elements 4 g - lead .. 4 g - lead + 3
+    // and draws Philox call first_group + g. The row's element 0 sits at place `lo` of group
+    // row_group, so group l of the row holds its elements 4 l - lo .. 4 l - lo + 3 (the row's groups
+    // are the tensor's, which is why the tensor's alignment flag serves every row).
+    const int64_t from_group0 = row * numel + lead;
+    const int64_t row_group = from_group0 / 4;
+    const int lo = static_cast<int>(from_group0 % 4);
+    const int groups = (lo + numel + 3) / 4;
+    const bool vectorised = table.vectorised[e];
+
+    RowCandidate<acc_t> best{acc_t(0), acc_t(0), -1, 0.0};
+    for (int l0 = warp_lane; l0 < groups; l0 += kUnroll<scalar_t> * 32) {
+      // All loads first, then the Philox work, so the memory latency hides behind the arithmetic.
+      Quad<scalar_t> theta_q[kUnroll<scalar_t>], grad_q[kUnroll<scalar_t>];
+      Quad<acc_t> v_q[kUnroll<scalar_t>];
+#pragma unroll
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const int l = l0 + u * 32;
+        if (l >= groups) break;
+        const int j0 = 4 * l - lo;
+        const int64_t at = 4 * (row_group + l) - lead;  // the group's element 0 in the tensor
+        const bool whole = vectorised && j0 >= 0 && j0 + 4 <= numel;
+        theta_q[u] = load_row_group(static_cast<const scalar_t*>(table.data[kParamList][e]) + at, j0, numel, whole);
+        if constexpr (kMomentum) {
+          v_q[u] = load_row_group(static_cast<const acc_t*>(table.data[kMomentumList][e]) + at, j0, numel, whole);
+        }
+        if constexpr (kSource == Source::kGrad) {
+          grad_q[u] = load_row_group(static_cast<const scalar_t*>(table.data[kGradList][e]) + at, j0, numel, whole);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const int l = l0 + u * 32;
+        if (l >= groups) break;
+        const int j0 = 4 * l - lo;
+        acc_t dir[4];
+        if constexpr (kSource == Source::kGrad) {
+#pragma unroll
+          for (int lane = 0; lane < 4; ++lane) dir[lane] = static_cast<acc_t>(grad_q[u].x[lane]);
+        } else {
+          forward_gradient<kSource>(dir, static_cast<uint64_t>(table.first_group[e] + row_group + l), seed, step,
+                                    coeffs, num_tangents);
+        }
+#pragma unroll
+        for (int lane = 0; lane < 4; ++lane) {
+          const int j = j0 + lane;
+          if (j < 0 || j >= numel) continue;
+          acc_t d = dir[lane];
+          if constexpr (kMomentum) {
+            d = rn_add(rn_mul(keep_v, v_q[u].x[lane]), rn_mul(gamma, d));
+            v_q[u].x[lane] = d;
+          }
+          const acc_t theta_old = static_cast<acc_t>(theta_q[u].x[lane]);
+          best.dot = rn_add(best.dot, rn_mul(static_cast<double>(d), static_cast<double>(theta_old)));
+          theta_q[u].x[lane] = static_cast<scalar_t>(rn_mul(keep_theta, theta_old));
+          // Strictly larger (or a first NaN): this lane visits its elements in index order.
+          const acc_t abs_d = abs_of(d), best_abs_d = abs_of(best.d);
+          if (best.key < 0 || (isnan(abs_d) && !isnan(best_abs_d)) || abs_d > best_abs_d) {
+            best.d = d;
+            best.theta = static_cast<acc_t>(theta_q[u].x[lane]);
+            best.key = j;
+          }
+        }
+        const int64_t at = 4 * (row_group + l) - lead;
+        const bool whole = vectorised && j0 >= 0 && j0 + 4 <= numel;
+        store_row_group(static_cast<scalar_t*>(table.data[kParamList][e]) + at, j0, numel, whole, theta_q[u]);
+        if constexpr (kMomentum) {
+          store_row_group(static_cast<acc_t*>(table.data[kMomentumList][e]) + at, j0, numel, whole, v_q[u]);
+        }
+      }
+    }
+
+    // The lanes' candidates and dots in a fixed tree: lane 0 ends with the ball's.
+#pragma unroll
+    for (int delta = 16; delta > 0; delta /= 2) {
+      const acc_t d = __shfl_down_sync(0xffffffffu, best.d, delta);
+      const acc_t theta = __shfl_down_sync(0xffffffffu, best.theta, delta);
+      const int key = __shfl_down_sync(0xffffffffu, best.key, delta);
+      best.dot = rn_add(best.dot, __shfl_down_sync(0xffffffffu, best.dot, delta));
+      if (beats(d, key, best)) {
+        best.d = d;
+        best.theta = theta;
+        best.key = key;
+      }
+    }
+    __syncwarp();  // lane 0 overwrites theta[i*], which another lane of the warp may have written
+    if (warp_lane == 0) {
+      double share = best.dot;
+      if (best.key >= 0) {  // always: a row has at least one element
+        scalar_t* const theta = static_cast<scalar_t*>(table.data[kParamList][e]) + row * numel;
+        const int64_t first_radius = table.first_radius[e];
+        const double radius = first_radius < 0 ? table.radius[e] : radii[first_radius + row];
+        const acc_t alpha = static_cast<acc_t>(schedule[1]);
+        const acc_t vertex = rn_mul(-static_cast<acc_t>(radius), sign_of(best.d));
+        theta[best.key] = static_cast<scalar_t>(rn_add(best.theta, rn_mul(alpha, vertex)));
+        share = rn_add(share, rn_mul(static_cast<double>(abs_of(best.d)), radius));
+      }
+      ws.ball_gap[table.first_share + b] = share;
+    }
+  }
 }
 
 // Offsets of the workspace's arrays in one allocation, each 16-byte aligned.
 struct WorkspaceLayout {
   size_t slots, ball_first_slot, ball_param, ball_radius, ball_gap, finished_blocks, bytes;
 
-  WorkspaceLayout(int64_t num_slots, int64_t num_tensors) {
+  WorkspaceLayout(int64_t num_slots, int64_t num_chunk_balls, int64_t num_shares) {
     size_t at = 0;
     auto take = [&at](size_t size) {
       const size_t offset = at;
@@ -377,10 +643,10 @@ struct WorkspaceLayout {
       return offset;
     };
     slots = take(sizeof(Slot) * num_slots);
-    ball_first_slot = take(sizeof(int64_t) * (num_tensors + 1));
-    ball_param = take(sizeof(void*) * num_tensors);
-    ball_radius = take(sizeof(double) * num_tensors);
-    ball_gap = take(sizeof(double) * num_tensors);
+    ball_first_slot = take(sizeof(int64_t) * (num_chunk_balls + 1));
+    ball_param = take(sizeof(void*) * num_chunk_balls);
+    ball_radius = take(sizeof(double) * num_chunk_balls);
+    ball_gap = take(sizeof(double) * num_shares);
     finished_blocks = take(sizeof(unsigned int));
     bytes = at;
   }
@@ -393,24 +659,183 @@ int blocks_per_sm(Kernel kernel, int threads) {
   return std::max(blocks, 1);
 }
 
+// The balls of a step, sorted into the two paths, in the order of their radii within each.
+struct BallPlan {
+  // A ball of the chunks path: elements [start, start + numel) of tensor `tensor`.
+  struct ChunkBall {
+    int tensor;
+    int64_t start, numel;
+    double radius;
+  };
+  // A tensor of the rows path: its `rows` rows of row_numel elements are balls, whose radii are
+  // radii[first_radius, first_radius + rows) of the op (all equal when `uniform`) and, when not
+  // uniform, device_radii[device_radius, device_radius + rows) on the device.
+  struct RowEntry {
+    int tensor;
+    int64_t rows;
+    int row_numel;
+    int64_t first_radius;
+    bool uniform;
+    int64_t device_radius;
+  };
+  std::vector<ChunkBall> chunk_balls;
+  std::vector<RowEntry> row_entries;
+  int64_t row_balls = 0;
+};
+
+BallPlan plan_balls(at::TensorList params, c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef row_numel) {
+  BallPlan plan;
+  const int n = static_cast<int>(params.size());
+  if (global_ball) {
+    // Every tensor on the chunks path, empty ones too: the finalize reduces all their slots at once.
+    for (int t = 0; t < n; ++t) plan.chunk_balls.push_back({t, 0, params[t].numel(), radii[0]});
+    return plan;
+  }
+  int64_t radius = 0;  // the op's index of tensor t's first ball
+  for (int t = 0; t < n; ++t) {
+    const int64_t numel = params[t].numel(), length = row_length(row_numel, t);
+    const int64_t ball_numel = length == 0 ? numel : length;
+    const int64_t balls = num_balls(numel, length);
+    if (numel == 0) {
+      // nothing moves and the gap share is 0: no work on either path
+    } else if (ball_numel <= kMaxWarpBall) {
+      const double* first = radii.data() + radius;
+      const bool uniform = std::all_of(first, first + balls, [first](double r) { return r == *first; });
+      plan.row_entries.push_back({t, balls, static_cast<int>(ball_numel), radius, uniform, -1});
+      plan.row_balls += balls;
+    } else {
+      for (int64_t b = 0; b < balls; ++b) {
+        plan.chunk_balls.push_back({t, b * ball_numel, ball_numel, radii[radius + b]});
+      }
+    }
+    radius += balls;
+  }
+  return plan;
+}
+
+// Radii of row balls whose rows have radii of their own, on the device. The op gets its radii as
+// host numbers every step, but they rarely change: each distinct array is uploaded once (from
+// pinned memory, asynchronously on the step's stream) and found again by its contents, so a step
+// normally copies nothing to the device, never synchronises and can be captured in a CUDA graph.
+// Up to kCapacity arrays per device are kept (least recently used goes first), except that an
+// array used during a graph capture is kept for good: the graph holds its address.
+class DeviceRadii {
+ public:
+  // The radii (the concatenated pieces, count in all) on stream's device. The tensor returned keeps
+  // them alive until the caller has launched its kernels, even if another thread evicts them.
+  static at::Tensor get(const c10::cuda::CUDAStream& stream, const std::vector<c10::ArrayRef<double>>& pieces,
+                        int64_t count) {
+    static State* const state = new State();  // never destroyed: no CUDA calls at process exit
+    const std::lock_guard<std::mutex> lock(state->mutex);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    const c10::DeviceIndex device = stream.device_index();
+
+    for (Entry& entry : state->entries) {
+      if (entry.device != device || static_cast<int64_t>(entry.values.size()) != count || !same(entry, pieces)) {
+        continue;
+      }
+      entry.last_use = ++state->clock;
+      if (capturing) {
+        entry.captured = true;  // never freed from now on: nothing to tell the allocator
+      } else if (std::find(entry.streams.begin(), entry.streams.end(), stream.stream()) == entry.streams.end()) {
+        // another stream reads it now: should the entry be evicted, the allocator must not hand its
+        // memory out before that stream's work is done
+        c10::cuda::CUDACachingAllocator::recordStream(entry.on_device.storage().data_ptr(), stream);
+        entry.streams.push_back(stream.stream());
+      }
+      return entry.on_device;
+    }
+    TORCH_CHECK(!capturing,
+                "l1_fw_step_: row balls whose rows have different radii need one step with these radii before "
+                "a CUDA graph capture (it uploads them to the device, which a capture cannot do)");
+
+    size_t kept = 0;
+    auto oldest = state->entries.end();
+    for (auto it = state->entries.begin(); it != state->entries.end(); ++it) {
+      if (it->device != device || it->captured) continue;
+      ++kept;
+      if (oldest == state->entries.end() || it->last_use < oldest->last_use) oldest = it;
+    }
+    if (kept >= kCapacity) state->entries.erase(oldest);
+
+    Entry entry;
+    entry.device = device;
+    entry.values.reserve(count);
+    for (const c10::ArrayRef<double>& piece : pieces) {
+      entry.values.insert(entry.values.end(), piece.begin(), piece.end());
+    }
+    const at::Tensor pinned = at::empty({count}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+    std::memcpy(pinned.data_ptr<double>(), entry.values.data(), sizeof(double) * count);
+    entry.on_device = at::empty({count}, at::TensorOptions().dtype(at::kDouble).device(at::kCUDA, device));
+    entry.on_device.copy_(pinned, /*non_blocking=*/true);
+    entry.streams.push_back(stream.stream());
+    entry.captured = false;
+    entry.last_use = ++state->clock;
+    state->entries.push_back(std::move(entry));
+    return state->entries.back().on_device;
+  }
+
+ private:
+  static constexpr size_t kCapacity = 8;
+
+  struct Entry {
+    c10::DeviceIndex device;
+    std::vector<double> values;
+    at::Tensor on_device;
+    std::vector<cudaStream_t> streams;  // those that used it, each recorded with the allocator
+    bool captured;
+    uint64_t last_use;
+  };
+
+  struct State {
+    std::mutex mutex;
+    std::vector<Entry> entries;
+    uint64_t clock = 0;
+  };
+
+  static bool same(const Entry& entry, const std::vector<c10::ArrayRef<double>>& pieces) {
+    const double* at = entry.values.data();
+    for (const c10::ArrayRef<double>& piece : pieces) {
+      if (std::memcmp(at, piece.data(), sizeof(double) * piece.size()) != 0) return false;
+      at += piece.size();
+    }
+    return true;
+  }
+};
+
 template <typename scalar_t, Source kSource, bool kMomentum>
 void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                  const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
-                 c10::IntArrayRef offsets, int64_t seed, const at::Tensor& gap) {
+                 c10::IntArrayRef offsets, int64_t seed, const at::Tensor& gap, c10::IntArrayRef row_numel) {
   using acc_t = acc_type<scalar_t>;
-  const int n = static_cast<int>(params.size());
   const int device = params[0].get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const c10::cuda::CUDAStream cuda_stream = c10::cuda::getCurrentCUDAStream(device);
+  const cudaStream_t stream = cuda_stream.stream();
 
-  std::vector<int64_t> numels(n), stream_offsets(n);
-  int64_t num_slots = 0;
-  for (int t = 0; t < n; ++t) {
-    numels[t] = params[t].numel();
-    stream_offsets[t] = offsets.empty() ? 0 : offsets[t];
-    num_slots += cuda::num_chunks(numels[t], stream_offsets[t]);
+  BallPlan plan = plan_balls(params, radii, global_ball, row_numel);
+  const int num_chunk_balls = static_cast<int>(plan.chunk_balls.size());
+  if (num_chunk_balls == 0 && plan.row_balls == 0) {  // every tensor is empty
+    gap.zero_();
+    return;
   }
+  auto stream_offset = [&](int t) { return offsets.empty() ? int64_t{0} : offsets[t]; };
+  auto address = [](const at::Tensor& tensor, auto element_type, int64_t start) -> void* {
+    return static_cast<decltype(element_type)*>(tensor.data_ptr()) + start;
+  };
 
-  const WorkspaceLayout layout(num_slots, n);
+  std::vector<int64_t> chunk_numels(num_chunk_balls), chunk_offsets(num_chunk_balls);
+  int64_t num_slots = 0;
+  for (int b = 0; b < num_chunk_balls; ++b) {
+    const BallPlan::ChunkBall& ball = plan.chunk_balls[b];
+    chunk_numels[b] = ball.numel;
+    chunk_offsets[b] = stream_offset(ball.tensor) + ball.start;
+    num_slots += cuda::num_chunks(chunk_numels[b], chunk_offsets[b]);
+  }
+  const int64_t num_shares = num_chunk_balls + plan.row_balls;
+
+  const WorkspaceLayout layout(num_slots, num_chunk_balls, num_shares);
   const c10::DataPtr buffer = c10::cuda::CUDACachingAllocator::get()->allocate(layout.bytes);
   char* const base = static_cast<char*>(buffer.get());
   const Workspace ws{reinterpret_cast<Slot*>(base + layout.slots),
@@ -419,45 +844,115 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
                      reinterpret_cast<double*>(base + layout.ball_radius),
                      reinterpret_cast<double*>(base + layout.ball_gap),
                      reinterpret_cast<unsigned int*>(base + layout.finished_blocks),
-                     n};
+                     num_chunk_balls,
+                     num_shares};
 
-  const auto chunks_kernel = fw_chunks_kernel<scalar_t, kSource, kMomentum>;
-  // Occupancy depends on the kernel and the architecture only; one process drives one kind of GPU.
-  static const int chunk_blocks_per_sm = blocks_per_sm(chunks_kernel, kThreads);
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t max_blocks = int64_t{sms} * chunk_blocks_per_sm;
-
   const double* const schedule_ptr = schedule.data_ptr<double>();
   const double* const coeffs_ptr = kSource == Source::kGrad ? nullptr : tangent_coeffs.data_ptr<double>();
   const int num_tangents = kSource == Source::kGrad ? 0 : static_cast<int>(tangent_coeffs.numel());
+  double* const gap_ptr = gap.data_ptr<double>();
 
-  cuda::for_each_launch<kLists>(
-      numels, stream_offsets,
-      [&](int t, TensorTable<kLists>& table, int row) {
+  // 1. The chunks of the long balls (block 0 of each launch publishes its balls and zeroes the
+  //    block counter of the finalize).
+  if (num_chunk_balls > 0) {
+    const auto chunks_kernel = fw_chunks_kernel<scalar_t, kSource, kMomentum>;
+    // Occupancy depends on the kernel and the architecture only; one process drives one kind of GPU.
+    static const int chunk_blocks_per_sm = blocks_per_sm(chunks_kernel, kThreads);
+    const int64_t max_blocks = int64_t{sms} * chunk_blocks_per_sm;
+    cuda::for_each_launch<kLists>(
+        chunk_numels, chunk_offsets,
+        [&](int b, TensorTable<kLists>& table, int row) {
+          const BallPlan::ChunkBall& ball = plan.chunk_balls[b];
+          const int t = ball.tensor;
+          void* const theta = address(params[t], scalar_t{}, ball.start);
+          void* const v = kMomentum ? address(momentum[t], acc_t{}, ball.start) : nullptr;
+          void* const grad = kSource == Source::kGrad ? address(grads[t], scalar_t{}, ball.start) : nullptr;
+          const int lead = table.lead[row];
+          table.data[kParamList][row] = theta;
+          table.data[kMomentumList][row] = v;
+          table.data[kGradList][row] = grad;
+          table.scalar[row] = ball.radius;
+          table.vectorised[row] = cuda::quad_aligned<scalar_t>(theta, lead) &&
+                                  (!v || cuda::quad_aligned<acc_t>(v, lead)) &&
+                                  (!grad || cuda::quad_aligned<scalar_t>(grad, lead));
+        },
+        [&](const TensorTable<kLists>& table) {
+          // Block 0 publishes the table even when every tensor is empty.
+          const int64_t blocks = std::clamp<int64_t>(table.num_chunks, 1, max_blocks);
+          chunks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(table, schedule_ptr, coeffs_ptr,
+                                                                               num_tangents, seed, ws);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  }
+
+  // 2. The short balls, a warp each; without a finalize a one-block kernel sums the gap.
+  if (plan.row_balls > 0) {
+    std::vector<c10::ArrayRef<double>> pieces;
+    int64_t device_radii = 0;
+    for (BallPlan::RowEntry& entry : plan.row_entries) {
+      if (entry.uniform) continue;
+      pieces.push_back(radii.slice(entry.first_radius, entry.rows));
+      entry.device_radius = device_radii;
+      device_radii += entry.rows;
+    }
+    // held until the launches are made
+    const at::Tensor on_device = device_radii ? DeviceRadii::get(cuda_stream, pieces, device_radii) : at::Tensor();
+    const double* const radii_ptr = device_radii ? on_device.data_ptr<double>() : nullptr;
+    const auto rows_kernel = fw_rows_kernel<scalar_t, kSource, kMomentum>;
+    static const int row_blocks_per_sm = blocks_per_sm(rows_kernel, kRowThreads);
+    const int64_t max_blocks = int64_t{sms} * row_blocks_per_sm;
+    const int num_entries = static_cast<int>(plan.row_entries.size());
+    int64_t first_share = num_chunk_balls;
+    for (int first = 0; first < num_entries; first += kMaxRowEntries) {
+      RowTable<kLists> table;
+      std::memset(&table, 0, sizeof(table));
+      table.num_entries = std::min(kMaxRowEntries, num_entries - first);
+      table.first_share = first_share;
+      int64_t balls = 0;
+      for (int e = 0; e < table.num_entries; ++e) {
+        const BallPlan::RowEntry& entry = plan.row_entries[first + e];
+        const int t = entry.tensor;
+        const int64_t offset = stream_offset(t);
+        const int lead = static_cast<int>(offset % 4);
         void* const theta = params[t].data_ptr();
         void* const v = kMomentum ? momentum[t].data_ptr() : nullptr;
         void* const grad = kSource == Source::kGrad ? grads[t].data_ptr() : nullptr;
-        const int lead = table.lead[row];
-        table.data[kParamList][row] = theta;
-        table.data[kMomentumList][row] = v;
-        table.data[kGradList][row] = grad;
-        table.scalar[row] = global_ball ? radii[0] : radii[t];
-        table.vectorised[row] = cuda::quad_aligned<scalar_t>(theta, lead) &&
-                                (!v || cuda::quad_aligned<acc_t>(v, lead)) &&
-                                (!grad || cuda::quad_aligned<scalar_t>(grad, lead));
-      },
-      [&](const TensorTable<kLists>& table) {
-        // Block 0 publishes the table even when every tensor is empty.
-        const int64_t blocks = std::clamp<int64_t>(table.num_chunks, 1, max_blocks);
-        chunks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(table, schedule_ptr, coeffs_ptr,
-                                                                             num_tangents, seed, ws);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+        table.data[kParamList][e] = theta;
+        table.data[kMomentumList][e] = v;
+        table.data[kGradList][e] = grad;
+        table.first_ball[e] = balls;
+        table.first_group[e] = offset / 4;
+        table.first_radius[e] = entry.uniform ? -1 : entry.device_radius;
+        table.radius[e] = radii[entry.first_radius];
+        table.row_numel[e] = entry.row_numel;
+        table.lead[e] = static_cast<int8_t>(lead);
+        // A row's groups are the tensor's groups (both follow the stream), so one flag serves all rows.
+        table.vectorised[e] = cuda::quad_aligned<scalar_t>(theta, lead) &&
+                              (!v || cuda::quad_aligned<acc_t>(v, lead)) &&
+                              (!grad || cuda::quad_aligned<scalar_t>(grad, lead));
+        balls += entry.rows;
+      }
+      table.num_balls = balls;
+      first_share += balls;
+      const int64_t blocks = std::clamp<int64_t>(balls, 1, max_blocks);
+      rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(table, schedule_ptr, coeffs_ptr,
+                                                                            num_tangents, seed, radii_ptr, ws);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (num_chunk_balls == 0) {
+      fw_sum_shares_kernel<<<1, kSumThreads, 0, stream>>>(ws, gap_ptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
 
-  fw_finalize_kernel<scalar_t><<<global_ball ? 1u : static_cast<unsigned>(n), kFinalizeThreads, 0, stream>>>(
-      ws, schedule_ptr, global_ball, gap.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // 3. The long balls' vertices and, unless the rows kernel did, the gap.
+  if (num_chunk_balls > 0) {
+    fw_finalize_kernel<scalar_t><<<global_ball ? 1u : static_cast<unsigned>(num_chunk_balls), kFinalizeThreads, 0,
+                                   stream>>>(ws, schedule_ptr, global_ball, gap_ptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
@@ -466,8 +961,6 @@ void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorL
                      c10::IntArrayRef row_numel) {
   check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
                         gap, row_numel);
-  TORCH_CHECK(std::all_of(row_numel.begin(), row_numel.end(), [](int64_t n) { return n == 0; }),
-              "l1_fw_step_: row balls (row_numel) are not implemented on CUDA yet");
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
   if (params.empty()) {
     gap.zero_();
@@ -476,7 +969,7 @@ void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorL
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "l1_fw_step_cuda", [&] {
     auto run = [&](auto source, auto with_momentum) {
       launch_step<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-          params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, gap);
+          params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, gap, row_numel);
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });
