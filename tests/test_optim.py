@@ -262,7 +262,7 @@ def test_bad_parameters_are_named():
     with pytest.raises(TypeError, match="module"):
         fgfw.AFGFW(mlp().parameters(), constraint=fgfw.L1Ball(radius=1.0))
     with pytest.raises(ValueError, match="one dtype"):
-        fgfw.FrankWolfe([torch.zeros(3), torch.zeros(3, dtype=torch.float64)],
+        fgfw.FrankWolfe([torch.zeros(3, requires_grad=True), torch.zeros(3, dtype=torch.float64, requires_grad=True)],
                         constraint=fgfw.L1Ball(radius=1.0, scope="global"))
     with pytest.raises(ValueError, match="module"):
         fgfw.AFGFW(mlp(), [nn.Parameter(torch.zeros(3))], constraint=fgfw.L1Ball(radius=1.0))

@@ -7,6 +7,7 @@ the LMO of the sets they support (today the L1 ball) without materialising the v
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Sequence
 
@@ -15,6 +16,16 @@ import torch
 from . import reference
 
 SCOPES = ("tensor", "global", "row")
+KIND_L1_BALL = "l1_ball"
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised by the caller that points at the first frame outside fgfw and
+    torch.optim (the user's line that built the optimizer)."""
+    frame, level = sys._getframe(1), 1  # the warning's caller is stacklevel 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fgfw.", "torch.optim")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_radius(radius, name: str = "radius") -> float:
@@ -70,6 +81,12 @@ class L1Ball:
         size = f"radius={self.radius}" if self.radius is not None else f"relative_to_init={self.relative_scale}"
         return f"L1Ball({size}, scope={self.scope!r})"
 
+    def to_dict(self) -> dict:
+        """The ball as plain values, as an optimizer's ``state_dict`` saves it (``torch.load`` with its default
+        ``weights_only=True`` reads them); :func:`from_dict` builds the ball again."""
+        return {"kind": KIND_L1_BALL, "radius": self.radius, "scope": self.scope,
+                "relative_scale": self.relative_scale}
+
     @staticmethod
     def norm(tensors: Sequence[torch.Tensor]) -> float:
         return float(sum(t.detach().double().abs().sum() for t in tensors))
@@ -113,7 +130,7 @@ class L1Ball:
             if norm > r * (1 + 1e-6):
                 warnings.warn(f"initial parameters have L1 norm {norm:.6g} > radius {r:.6g}: rescaled into the "
                               f"L1 ball by {r / norm:.6g} (pass a larger radius or L1Ball.relative_to_init to keep "
-                              f"the initialisation)", stacklevel=4)
+                              f"the initialisation)", stacklevel=_user_stacklevel())
                 with torch.no_grad():
                     for t in tensors:
                         t.mul_(r / norm)
@@ -122,3 +139,23 @@ class L1Ball:
     def lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
         """Dense ``argmin_{||s||_1 <= r} <direction, s>`` (reference; the kernels never build it)."""
         return reference.l1_lmo(direction, radius)
+
+
+def from_dict(spec: object) -> L1Ball:
+    """The constraint that ``to_dict`` described (what an optimizer's ``state_dict`` holds).
+
+    Raises ``ValueError`` naming what does not fit: not a dict, an unknown ``kind``, unknown keys, or
+    values the constructor refuses.
+    """
+    if not isinstance(spec, dict) or spec.get("kind") != KIND_L1_BALL:
+        described = f"kind {spec.get('kind')!r}" if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"constraint must be a dict {{'kind': {KIND_L1_BALL!r}, 'radius': ..., 'scope': ..., "
+                         f"'relative_scale': ...}} (L1Ball.to_dict()), got {described}")
+    unknown = sorted(set(spec) - {"kind", "radius", "scope", "relative_scale"})
+    if unknown:
+        raise ValueError(f"constraint {spec!r} has unknown keys {unknown}; an L1 ball has radius, scope and "
+                         f"relative_scale")
+    try:
+        return L1Ball(spec.get("radius"), scope=spec.get("scope", "tensor"), _relative_scale=spec.get("relative_scale"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"constraint {spec!r} is not a valid L1 ball: {err}") from None

@@ -69,7 +69,8 @@ class LinearDecay:
     A Frank-Wolfe step both moves towards the vertex and shrinks every weight by (1 - alpha_k); with a
     constant alpha the last steps' vertices stay visible as jitter in the weights. Decaying alpha_k
     averages them out (on the paper's MNIST network: +2 to +3 points of test accuracy for FW, see
-    bench/RESULTS.md). A plain object, not a lambda, so that ``torch.save`` of an optimizer state works.
+    bench/RESULTS.md). Like any callable schedule, ``state_dict`` records it by name only; an optimizer
+    built with the same schedule takes it back on ``load_state_dict``.
     """
 
     def __init__(self, initial: float, total_steps: int, floor: float = 0.02):

@@ -14,8 +14,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import _ops, activity, forward_grad, reference, schedules
-from .constraints import L1Ball
+from . import _ops, activity, constraints, forward_grad, reference, schedules
+from .constraints import L1Ball, _user_stacklevel
 
 STATE_KEY = "fgfw"
 # "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
@@ -24,10 +24,53 @@ ESTIMATORS = ("weight", "activity")
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite: the norms on one device, one host synchronisation."""
-    norms = torch._foreach_norm(tensors)
-    device = norms[0].device
-    return bool(torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all())
+    """Whether every entry of every tensor is finite: one isfinite reduction per tensor (nothing is summed,
+    so no finite tensor can overflow, as a float16 norm would above 65504), the verdicts gathered on one
+    device, one host synchronisation."""
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
+
+
+def _called_autograd(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch.autograd.backward`` or ``torch.autograd.grad``."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__") == "torch.autograd" and frame.f_code.co_name in ("backward", "grad"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _subset(group: dict, keep: list[bool]) -> dict:
+    """The group restricted to the parameters where ``keep`` is true (with their radii; not for a global ball)."""
+    return dict(group, params=[p for p, k in zip(group["params"], keep) if k],
+                radii=[r for r, k in zip(group["radii"], keep) if k])
+
+
+def _check_radii(constraint: L1Ball, params: list[torch.Tensor], radii: object, where: str) -> None:
+    """``radii`` must fit ``constraint`` over ``params``: one radius for a global ball, one per tensor, or one
+    list per tensor with one radius per row (scope "row"); each finite and > 0."""
+    def numbers(values, expected: int, what: str) -> None:
+        if not isinstance(values, (list, tuple)) or len(values) != expected:
+            got = f"{len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ValueError(f"{where}: radii must hold {expected} {what}, got {got}: it was saved for other "
+                             f"parameters or another constraint")
+        for r in values:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+                raise ValueError(f"{where}: radii must be finite numbers > 0, got {r!r}")
+
+    if constraint.global_ball:
+        numbers(radii, 1, "radius (one global ball)")
+    elif constraint.scope == "row":
+        if not isinstance(radii, (list, tuple)) or len(radii) != len(params):
+            numbers(radii, len(params), "lists of row radii (one per tensor)")
+        for p, per_tensor in zip(params, radii):
+            numbers(per_tensor, len(L1Ball.rows(p)), f"radii for the rows of a tensor of shape {tuple(p.shape)}")
+    else:
+        numbers(radii, len(params), "radii (one per tensor)")
 
 
 def _device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,6 +99,9 @@ def _row_balls(params, grads, moms, radii, starts):
 class _FrankWolfeBase(torch.optim.Optimizer):
     """What all three optimizers share: validation, radii, the step counter and the fused update."""
 
+    # the group entries that hold schedules (state_dict saves a callable as a marker, see schedules.to_state)
+    _SCHEDULE_KEYS: tuple[str, ...] = ("step_size",)
+
     def __init__(self, params, defaults: dict, *, constraint: L1Ball, backend: str | None, check_finite: bool):
         if not isinstance(constraint, L1Ball):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
@@ -69,9 +115,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         # What a step reports goes into a dict: torch.compile (dynamo) drops attribute assignments to an
         # optimizer made inside a compiled step, but keeps the mutations of a container it holds.
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
+        self._frozen_left_out = 0  # frozen parameters add_param_group left out
         defaults = dict(defaults, constraint=constraint, backend=backend)
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is None and self._frozen_left_out:
+            raise ValueError(f"every parameter given to {type(self).__name__} is frozen (requires_grad=False): there "
+                             f"is nothing to optimize; pass the parameters to train, with requires_grad=True")
         if first is not None:
             self._step_count_k = self._step_count_k.to(first.device)
 
@@ -85,8 +135,16 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._step_results["gap"] = gap
 
     # -- construction -------------------------------------------------------------------------------------------
+    def _param_name(self, p: torch.Tensor) -> str | None:
+        """p's name for messages, where the optimizer knows one (the forward-gradient ones know the module)."""
+        return None
+
     def add_param_group(self, param_group: dict) -> None:
-        """Adds a group after checking its parameters; sets its radii and makes the start feasible."""
+        """Adds a group after checking its parameters; sets its radii and makes the start feasible.
+
+        Frozen parameters (``requires_grad=False``) are left out of the group, with a warning that names
+        them: the optimizer never reads, rescales nor updates them.
+        """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
@@ -104,6 +162,15 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"params of one param group must share a device, got {sorted(map(str, devices))}; "
                              f"put each device's parameters in its own group")
+        frozen = [(i, p) for i, p in enumerate(params) if not p.requires_grad]
+        if frozen:
+            names = ", ".join(repr(self._param_name(p)) if self._param_name(p) else _describe(i, p) for i, p in frozen)
+            warnings.warn(f"{type(self).__name__} left out {len(frozen)} of the {len(params)} params of a param group, "
+                          f"frozen (requires_grad=False): {names}. They are never read, rescaled nor updated; set "
+                          f"requires_grad=True before creating the optimizer to train them",
+                          UserWarning, stacklevel=_user_stacklevel())
+            self._frozen_left_out += len(frozen)
+            params = [p for p in params if p.requires_grad]
         group = dict(param_group, params=params)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
@@ -125,24 +192,132 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     # -- persistence --------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        return {"step": int(self._step_count_k)}
+        return {"optimizer": type(self).__name__, "step": int(self._step_count_k)}
+
+    def _check_extra_state(self, extra: dict) -> None:
+        """Raises ``ValueError`` if the saved extra state cannot be loaded into this optimizer."""
+        if extra.get("tangent_stream_version") != reference.TANGENT_STREAM_VERSION:
+            raise ValueError(f"state_dict was saved with tangent stream version {extra.get('tangent_stream_version')}"
+                             f", this fgfw has {reference.TANGENT_STREAM_VERSION}: the run cannot be resumed exactly")
+        kind = extra.get("optimizer")
+        if kind is not None and kind != type(self).__name__:
+            raise ValueError(f"state_dict was saved by {kind}, and cannot be loaded into {type(self).__name__} "
+                             f"(another algorithm, other state); load it into a {kind} built like the saved one")
+        missing = [key for key in self._extra_state() if key not in extra and key != "optimizer"]  # older: none
+        if missing:
+            raise ValueError(f"state_dict's {STATE_KEY!r} entry has no {missing}: it was saved by another kind of "
+                             f"optimizer than {type(self).__name__}")
+        step = extra["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state_dict's step must be an integer >= 0, got {step!r}")
 
     def _load_extra_state(self, extra: dict) -> None:
         self._step_count_k.fill_(int(extra["step"]))
 
     def state_dict(self) -> dict:
+        """The optimizer's state in plain types only (numbers, strings, lists, dicts and tensors), so that
+        ``torch.load`` reads it with its default ``weights_only=True``.
+
+        Each group's constraint is saved as ``L1Ball.to_dict()``. A callable schedule (``step_size`` or
+        ``averaging_weight``) cannot be saved: it is recorded as ``{"kind": "callable", "name": ...}`` and
+        the optimizer that loads the state must be built with that callable (see :meth:`load_state_dict`).
+        Schedule names and numbers are saved as they are.
+        """
         state = super().state_dict()
+        groups = []
+        for group in state["param_groups"]:
+            group = dict(group, constraint=group["constraint"].to_dict())
+            for key in self._SCHEDULE_KEYS:
+                group[key] = schedules.to_state(group[key])
+            groups.append(group)
+        state["param_groups"] = groups
         state[STATE_KEY] = dict(self._extra_state(), tangent_stream_version=reference.TANGENT_STREAM_VERSION)
         return state
 
+    def _checked_groups(self, saved_groups: object) -> list[dict]:
+        """The saved param groups as this optimizer will hold them (constraints rebuilt, callable schedules
+        taken from this optimizer, its own backend kept), or ``ValueError`` if they do not fit its groups."""
+        if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, dict) for g in saved_groups):
+            raise ValueError("state_dict's param_groups must be a list of dicts")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has "
+                             f"{len(self.param_groups)}: it was saved for other parameters")
+        groups = []
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            where = f"param group {g} of the state_dict"
+            saved_params = saved.get("params")
+            if not isinstance(saved_params, (list, tuple)) or len(saved_params) != len(group["params"]):
+                count = len(saved_params) if isinstance(saved_params, (list, tuple)) else saved_params
+                raise ValueError(f"{where} has {count} parameters, this optimizer's has {len(group['params'])}: it "
+                                 f"was saved for other parameters")
+            missing = [key for key in (*self.defaults, "radii") if key not in saved]
+            if missing:
+                raise ValueError(f"{where} has no {missing}: it was saved by another kind of optimizer than "
+                                 f"{type(self).__name__}")
+            constraint = saved["constraint"]
+            if not isinstance(constraint, L1Ball):  # an older checkpoint, read with weights_only=False, has the object
+                constraint = constraints.from_dict(constraint)
+            new = dict(saved, constraint=constraint, backend=group["backend"])
+            for key in self._SCHEDULE_KEYS:
+                new[key] = schedules.from_state(saved[key], group[key], key)
+            try:
+                self._check_group_hyperparameters(new)
+            except TypeError as err:
+                raise ValueError(f"{where}: {err}") from None
+            params = group["params"]
+            if constraint.global_ball and len({p.dtype for p in params}) > 1:
+                raise ValueError(f"{where} has a global ball, which needs one dtype for all its params, got "
+                                 f"{sorted(map(str, {p.dtype for p in params}))}")
+            _check_radii(constraint, params, saved["radii"], where)
+            groups.append(new)
+        return groups
+
+    def _check_state(self, state: object, saved_groups: list[dict]) -> None:
+        """Raises ``ValueError`` unless every saved per-parameter state fits its parameter."""
+        if not isinstance(state, dict):
+            raise ValueError("state_dict's state must be a dict")
+        params_of = {}
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            for i, (saved_id, p) in enumerate(zip(saved["params"], group["params"])):
+                params_of[saved_id] = (g, i, p)
+        for saved_id, entry in state.items():
+            if saved_id not in params_of:
+                raise ValueError(f"state_dict holds state for parameter id {saved_id!r}, which no param group lists")
+            g, i, p = params_of[saved_id]
+            if not isinstance(entry, dict):
+                raise ValueError(f"state_dict's state of parameter {i} of param group {g} must be a dict")
+            momentum = entry.get("momentum")
+            if momentum is None:
+                continue
+            if not isinstance(momentum, torch.Tensor) or not momentum.is_floating_point():
+                raise ValueError(f"state_dict's momentum of parameter {i} of param group {g} must be a floating "
+                                 f"tensor, got {momentum!r}")
+            if momentum.shape != p.shape:
+                raise ValueError(f"state_dict's momentum of parameter {i} of param group {g} has shape "
+                                 f"{tuple(momentum.shape)}, the parameter has shape {tuple(p.shape)}: the state was "
+                                 f"saved for another model")
+
     def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state saved by :meth:`state_dict` of the same optimizer class over parameters of the same
+        shapes (in the same param groups).
+
+        Everything is checked before anything changes: a state of another optimizer class, of parameters
+        of other shapes or counts, of another tangent stream version, or with invalid values raises
+        ``ValueError`` and leaves the optimizer as it was. A schedule saved as a callable is taken from
+        this optimizer, which must then have been built with a callable there. The optimizer keeps its
+        own ``backend`` (a checkpoint may move between machines); everything else comes from the state.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
+                             f"{type(self).__name__}.state_dict()), got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
         extra = state_dict.pop(STATE_KEY, None)
-        if extra is None:
+        if not isinstance(extra, dict):
             raise ValueError(f"state_dict has no {STATE_KEY!r} entry: it was not saved by an fgfw optimizer")
-        if extra.get("tangent_stream_version") != reference.TANGENT_STREAM_VERSION:
-            raise ValueError(f"state_dict was saved with tangent stream version {extra.get('tangent_stream_version')}"
-                             f", this fgfw has {reference.TANGENT_STREAM_VERSION}: the run cannot be resumed exactly")
+        self._check_extra_state(extra)
+        groups = self._checked_groups(state_dict["param_groups"])
+        self._check_state(state_dict["state"], groups)
+        state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; momentum keeps the compute dtype (fp32 for bf16).
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -167,6 +342,24 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             gamma = self._averaging_weight(group, k)
             plan.append((group, alpha, gamma))
         return plan
+
+    def _without_frozen(self, plan):
+        """The plan without the parameters frozen (``requires_grad=False``) since construction: left out of
+        per-tensor and row balls; a global ball, whose update scales all its parameters together, raises
+        ``ValueError`` (before anything is modified)."""
+        out = []
+        for group, alpha, gamma in plan:
+            keep = [p.requires_grad for p in group["params"]]
+            if not all(keep):
+                if group["constraint"].global_ball:
+                    frozen = [_describe(i, p) for i, p in enumerate(group["params"]) if not p.requires_grad]
+                    raise ValueError(f"{', '.join(frozen)} of a param group with a global L1 ball has requires_grad="
+                                     f"False (frozen after the optimizer was created): a global ball scales all its "
+                                     f"parameters together, so it cannot leave one out; create the optimizer again "
+                                     f"after freezing (frozen parameters are left out at construction)")
+                group = _subset(group, keep)
+            out.append((group, alpha, gamma))
+        return out
 
     def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
         return 0.0
@@ -198,11 +391,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 grads = []
                 if grads_of is not None:
                     grads = [grads_of(p) for p in ps]
-                    if any(g is None for g in grads):
-                        if not constraint.global_ball:
-                            raise AssertionError("parameters without gradients are filtered before _apply")
-                        # a global ball scales every parameter; a missing gradient is a zero gradient
-                        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, grads)]
+                    if any(g is None for g in grads) and not constraint.global_ball:
+                        raise AssertionError("parameters without gradients are filtered before _apply")
+                    # a global ball scales every parameter: a missing gradient is a zero gradient. The kernels
+                    # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied.
+                    grads = [torch.zeros_like(p) if g is None else g.contiguous() for p, g in zip(ps, grads)]
                 moms = []
                 if momentum:
                     for p in ps:
@@ -237,17 +430,22 @@ class FrankWolfe(_FrankWolfeBase):
     Used like any torch optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
 
     Args:
-        params: parameters or param groups (all parameters of a group on one device).
+        params: parameters or param groups (all parameters of a group on one device). Frozen ones
+            (``requires_grad=False``) are left out with a warning, so ``model.parameters()`` of a model
+            with frozen layers leaves those layers alone (not even rescaled into the ball).
         constraint: the feasible set, e.g. ``fgfw.L1Ball(radius=...)``.
-        step_size: alpha_k (schedule name, constant or callable; default ``"2/(k+2)"``).
+        step_size: alpha_k (schedule name, constant or callable; default ``"2/(k+2)"``; a callable is not
+            saved by ``state_dict``, see :meth:`state_dict`).
         momentum: rho in [0, 1), or None for none (0 also means none).
         backend: ``"cuda" | "triton" | "cpu" | "torch" | "auto"`` (default: $FGFW_BACKEND, else auto).
         check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync;
             under torch.compile a graph break, so ``fullgraph=True`` needs ``check_finite=False``).
 
-    Parameters whose ``grad`` is None are skipped (per-tensor balls) or take a zero gradient (a global
-    ball, whose update scales every parameter). After a step, ``last_gap`` holds the Frank-Wolfe gap
-    ``<v, theta - s>`` at the pre-step parameters (a float64 tensor).
+    Parameters whose ``grad`` is None are skipped (per-tensor and row balls: neither they nor their
+    momentum move) or take a zero gradient (a global ball, whose update scales every parameter). So are
+    parameters frozen after construction; in a global ball those raise ``ValueError``. A non-contiguous
+    gradient is used as its contiguous copy. After a step, ``last_gap`` holds the Frank-Wolfe gap
+    ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor).
     """
 
     def __init__(self, params: Iterable, *, constraint: L1Ball, step_size: schedules.Schedule = "2/(k+2)",
@@ -277,15 +475,13 @@ class FrankWolfe(_FrankWolfeBase):
                 loss = closure()
         k = self._step_count_k + 1
         plan = []
-        for group, alpha, gamma in self._plan(k):
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for p in with_grad:
-                if p.grad.is_sparse:
+        for group, alpha, gamma in self._without_frozen(self._plan(k)):
+            for p in group["params"]:
+                if p.grad is not None and p.grad.layout != torch.strided:
                     raise TypeError(f"FrankWolfe does not support sparse gradients (parameter of shape "
-                                    f"{tuple(p.shape)})")
+                                    f"{tuple(p.shape)}, gradient layout {p.grad.layout})")
             if not group["constraint"].global_ball:
-                group = dict(group, params=with_grad, radii=[r for p, r in zip(group["params"], group["radii"])
-                                                             if p.grad is not None])
+                group = _subset(group, [p.grad is not None for p in group["params"]])
             plan.append((group, alpha, gamma))
         if self.check_finite:
             grads = [p.grad for group, _, _ in plan for p in group["params"] if p.grad is not None]
@@ -347,14 +543,57 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if estimator == "activity":
             activity.linear_owners(module, [p for g in self.param_groups for p in g["params"]])
 
+    def _param_name(self, p: torch.Tensor) -> str | None:
+        return next((name for name, q in self.module.named_parameters() if q is p), None)
+
     def _extra_state(self) -> dict:
         return dict(super()._extra_state(), seed=self.seed, tangent=self.tangent, num_tangents=self.num_tangents,
                     estimator=self.estimator)
+
+    def _check_extra_state(self, extra: dict) -> None:
+        # a state saved before the estimator existed has none: it is the weight estimator's
+        super()._check_extra_state(dict({"estimator": "weight"}, **extra))
+        seed, tangent, num_tangents = extra["seed"], extra["tangent"], extra["num_tangents"]
+        estimator = extra.get("estimator", "weight")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"state_dict's seed must be an int, got {seed!r}")
+        if not isinstance(tangent, str) or tangent not in reference.DISTRIBUTIONS:
+            raise ValueError(f"state_dict's tangent must be one of {sorted(reference.DISTRIBUTIONS)}, got {tangent!r}")
+        if isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 1:
+            raise ValueError(f"state_dict's num_tangents must be an integer >= 1, got {num_tangents!r}")
+        if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+            raise ValueError(f"state_dict's estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if estimator != "activity" and self.recompute_inputs:
+            raise ValueError(f"state_dict's estimator is {estimator!r}, but this optimizer was built with "
+                             f"recompute_inputs=True, which applies to estimator='activity' only")
+        if estimator == "activity":  # every parameter must belong to an nn.Linear (raises ValueError naming it)
+            activity.linear_owners(self.module, [p for g in self.param_groups for p in g["params"]])
 
     def _load_extra_state(self, extra: dict) -> None:
         super()._load_extra_state(extra)
         self.seed, self.tangent, self.num_tangents = int(extra["seed"]), extra["tangent"], int(extra["num_tangents"])
         self.estimator = extra.get("estimator", "weight")
+
+    def _guarded(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """``closure`` with a clear error if it calls ``backward()`` or ``torch.autograd.grad`` (torch's own
+        error, raised deep in the forward-mode pass, names neither the closure nor the way out)."""
+        if torch.compiler.is_compiling():  # traced whole: no Python-level exception handling
+            return closure
+        name = type(self).__name__
+
+        def guarded():
+            try:
+                return closure()
+            except (RuntimeError, ValueError) as err:  # ValueError: the activity estimator's check refused it
+                if not _called_autograd(err):
+                    raise
+                raise RuntimeError(
+                    f"the closure passed to {name}.step called backward() (or torch.autograd.grad): {name} needs no "
+                    f"backward pass, it runs the closure under forward-mode AD and no_grad, where there is no graph "
+                    f"to differentiate. The closure must only compute and return the loss, e.g. "
+                    f"opt.step(lambda: F.cross_entropy(model(x), y)); no loss.backward() and no zero_grad() "
+                    f"(for backprop gradients use fgfw.FrankWolfe)") from err
+        return guarded
 
     def _stream_offsets(self) -> tuple[list[torch.Tensor], dict[int, int]]:
         """All parameters in order and each one's first index in the tangent stream.
@@ -370,27 +609,42 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         return params, offsets
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """One step: ``num_tangents`` forward-mode passes of ``closure``, then the fused Frank-Wolfe update.
 
-        ``closure`` runs the model as usual and returns the scalar loss, e.g.
+        ``closure`` (required) runs the model as usual and returns the scalar loss, e.g.
         ``opt.step(lambda: F.cross_entropy(model(x), y))``; it is called under forward-mode AD and no_grad
-        (no backward pass, no stored activations). With ``estimator="activity"`` it returns the per-example
-        losses instead (``reduction="none"``). Returns the (mean) loss at the pre-step parameters.
+        (no backward pass, no stored activations), so it must not call ``backward()`` (that raises
+        ``RuntimeError`` saying so). With ``estimator="activity"`` it returns the per-example losses instead
+        (``reduction="none"``). Returns the (mean) loss at the pre-step parameters.
+
+        Parameters frozen (``requires_grad=False``) since construction get no tangent and do not move (in a
+        global ball they raise ``ValueError``); the others keep their place in the tangent stream.
         """
         if closure is None or not callable(closure):
+            got = "no closure" if closure is None else f"a {type(closure).__name__}"
             raise TypeError(f"{type(self).__name__}.step needs a closure that computes the loss with the module, "
-                            f"e.g. opt.step(lambda: F.cross_entropy(model(x), y))")
+                            f"e.g. opt.step(lambda: F.cross_entropy(model(x), y)) (it runs the forward pass only: "
+                            f"no loss.backward()); got {got}")
+        closure = self._guarded(closure)
         k = self._step_count_k + 1
-        plan = self._plan(k)
+        plan = self._without_frozen(self._plan(k))
         params, offsets = self._stream_offsets()
+        params = [p for p in params if p.requires_grad]  # offsets stay: a frozen tensor's share goes unused
         distribution = reference.DISTRIBUTIONS[self.tangent]
+        # the tangents on a device are drawn by the backend of the first group there (one named for another
+        # device's group may not run on this one); the update of each group regenerates them with its own
+        backend_names: dict[torch.device, str | None] = {}
+        for group in self.param_groups:
+            for p in group["params"][:1]:
+                backend_names.setdefault(p.device, group["backend"])
         backends = {}
 
         def fill(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
             """``out`` filled with tangent ``tangent_id`` of step k from ``offset`` of the stream."""
             if out.device not in backends:
-                backends[out.device] = _ops.resolve_backend(self.param_groups[0]["backend"], out.device)
+                backends[out.device] = _ops.resolve_backend(
+                    backend_names.get(out.device, self.param_groups[0]["backend"]), out.device)
             return _ops.fill_tangent_(out, self.seed, k.to(out.device), tangent_id, offset, distribution,
                                       backends[out.device])
 
@@ -450,6 +704,9 @@ class FGFW(_ForwardGradientFrankWolfe):
     Args:
         module: the model the closure runs (its parameters are perturbed by the tangents).
         params: the parameters or param groups to optimize (default: the module's trainable parameters).
+            Frozen ones (``requires_grad=False``) are left out with a warning: never perturbed nor updated.
+            Each group may bring its own ``constraint``, ``step_size`` (and, for AFGFW, ``averaging_weight``);
+            the K tangents run through all groups' parameters together (one directional derivative).
         constraint: e.g. ``fgfw.L1Ball(radius=...)``.
         step_size: alpha_k (default the paper's ``"2/(k+2)"``).
         seed: seed of the tangent stream (default: drawn from torch's RNG). Same seed, same run.
@@ -511,6 +768,8 @@ class AFGFW(_ForwardGradientFrankWolfe):
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
                          estimator=estimator, recompute_inputs=recompute_inputs)
+
+    _SCHEDULE_KEYS = ("step_size", "averaging_weight")
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)

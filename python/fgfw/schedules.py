@@ -5,8 +5,11 @@ A schedule is given as one of:
 * a name from the paper: ``"2/(k+2)"`` (Algorithm 1), ``"1/k"`` (Algorithm 2's alpha_k),
   ``"1/sqrt(k)"`` (Algorithm 2's gamma_k);
 * a constant in (0, 1];
-* a callable ``k -> value`` (checked to lie in [0, 1] at every step; not saved by ``state_dict`` if it
-  is a lambda, so prefer names and constants for runs you want to resume).
+* a callable ``k -> value`` (checked to lie in [0, 1] at every step). A callable is code, not data: an
+  optimizer's ``state_dict`` cannot save it (``torch.load`` refuses code under its default
+  ``weights_only=True``) and records only that the schedule was a callable (:func:`to_state`); the
+  optimizer that loads such a state must be built with the callable again (:func:`from_state`).
+  Names and constants are saved as they are.
 """
 from __future__ import annotations
 
@@ -67,3 +70,42 @@ def evaluate(spec: Schedule, k: int | torch.Tensor, name: str) -> float | torch.
     if not (0.0 <= value <= 1.0):
         raise ValueError(f"{name} at step k={k} is {value!r}; it must lie in [0, 1]")
     return value
+
+
+CALLABLE_KIND = "callable"
+
+
+def to_state(spec: Schedule) -> str | float | dict:
+    """What an optimizer's ``state_dict`` holds for a schedule: a name or a number as it is; for a callable,
+    ``{"kind": "callable", "name": ...}`` (its name, for the error message of a load that lacks it)."""
+    if isinstance(spec, (str, int, float)) and not callable(spec):
+        return spec
+    name = getattr(spec, "__qualname__", None)
+    if isinstance(name, str):
+        name = f"{getattr(spec, '__module__', None) or '?'}.{name}"
+    else:  # an object with __call__: its repr (a class may give a readable one)
+        name = repr(spec)
+    return {"kind": CALLABLE_KIND, "name": name}
+
+
+def from_state(saved: object, current: Schedule, name: str) -> Schedule:
+    """The schedule to use after loading ``saved`` (from :func:`to_state`) into an optimizer whose schedule
+    is ``current``: a saved name or number, checked; for a saved callable, ``current``, which must then be a
+    callable too (a callable object itself, from an older state read with ``weights_only=False``, is used as
+    it is). Raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(saved, dict):
+        if saved.get("kind") != CALLABLE_KIND:
+            raise ValueError(f"{name} in the state_dict must be a schedule name, a number or "
+                             f"{{'kind': 'callable', ...}}, got {saved!r}")
+        if not callable(current):
+            raise ValueError(f"the state_dict's {name} was a callable ({saved.get('name')}), which state_dict cannot "
+                             f"save (code is not data); build the optimizer with that callable ({name}=...) and load "
+                             f"the state into it (this optimizer has {name}={current!r})")
+        return current
+    if callable(saved):  # a state saved before schedules were kept plain, read with weights_only=False
+        return saved
+    if isinstance(saved, bool) or not isinstance(saved, (str, int, float)):
+        raise ValueError(f"{name} in the state_dict must be a schedule name, a number or {{'kind': 'callable', ...}}, "
+                         f"got {type(saved).__name__} {saved!r}")
+    check_schedule(saved, name)
+    return saved
