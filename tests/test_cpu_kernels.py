@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from fgfw import reference as ref
 from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, SHAPES, assert_same_step,
                           check_backprop_gradient, check_forward_gradient, check_row_balls, flat_offsets, make_group,
                           run_both)
@@ -44,8 +45,12 @@ def test_ties_lowest_index_wins_per_tensor(fgfw_ops):
     assert_same_step(expected, got, EXACT)
     theta = got[0]
     # tensor 0: |d| = 0.5 at 1, 3, 4 -> index 1 (d < 0, so s = +r); tensor 1: 0.3 at 1, 2, 3 -> index 1
-    assert torch.equal(theta[0], torch.tensor([0.25, 0.25 + 0.5, 0.25, 0.25, 0.25, 0.25]))
-    assert torch.equal(theta[1], torch.tensor([-0.125, -0.125 - 1.0, -0.125, -0.125]))
+    # theta <- keep theta, then the winner moves by alpha_vertex s (both factors carry kappa = 1 - 4u)
+    keep, alpha_vertex = ref.step_factors(0.5, torch.float32)
+    expected0, expected1 = keep * torch.full((6,), 0.5), keep * torch.full((4,), -0.25)
+    expected0[1] += alpha_vertex * 1.0
+    expected1[1] += alpha_vertex * -2.0
+    assert torch.equal(theta[0], expected0) and torch.equal(theta[1], expected1)
 
 
 def test_ties_across_tensors_first_tensor_wins_in_global_ball(fgfw_ops):
@@ -56,7 +61,8 @@ def test_ties_across_tensors_first_tensor_wins_in_global_ball(fgfw_ops):
                              offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = got[0]
-    assert torch.equal(theta[0], torch.tensor([0.0, 0.0, -3.0]))
+    _, alpha_vertex = ref.step_factors(1.0, torch.float32)
+    assert torch.equal(theta[0], torch.stack([torch.tensor(0.0), torch.tensor(0.0), alpha_vertex * -3.0]))
     assert not theta[1].any() and not theta[2].any()
 
 

@@ -151,10 +151,17 @@ def _assert_same_step(ref, got, exact, dtype=torch.float32):
     torch.testing.assert_close(gap, ref_gap, rtol=1e-10 if exact else 1e-5, atol=1e-10, equal_nan=True)
 
 
+def _scaled(p0, alpha):
+    """p0 as every element not moved to a vertex ends a step: keep p0 (reference.step_factors), rounded."""
+    cdt = reference.compute_dtype(p0.dtype)
+    keep, _ = reference.step_factors(alpha, cdt)
+    return (keep * p0.to(cdt)).to(p0.dtype)
+
+
 def _assert_vertex_moved(ref_params, inputs):
     """Guards the other tests against vacuous passes: the reference's step did touch a vertex."""
     alpha = float(inputs["schedule"][1])
-    assert any(not torch.equal(p, (1 - alpha) * p0) for p, p0 in zip(ref_params, inputs["params"]))
+    assert any(not torch.equal(p, _scaled(p0, alpha)) for p, p0 in zip(ref_params, inputs["params"]))
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
@@ -211,7 +218,7 @@ def test_step_ties_lowest_index_wins(global_ball):
     ref, got = _run_both(inputs, [1.0, 2.0, 3.0], global_ball)
     _assert_same_step(ref, got, exact=True)
     alpha = float(inputs["schedule"][1])
-    winners = [torch.nonzero(p != ((1 - alpha) * p0)).flatten().tolist()
+    winners = [torch.nonzero(p != _scaled(p0, alpha)).flatten().tolist()
                for p, p0 in zip(got[0], inputs["params"])]
     assert winners == ([[1], [], []] if global_ball else [[1], [100], [0]])
 
@@ -234,7 +241,7 @@ def test_step_finalize_over_many_chunks(monkeypatch):
 
 
 def test_step_single_element_and_zero_direction():
-    """A one-element tensor is its own argmax; d = 0 leaves it at (1 - alpha) theta (sign(0) = 0)."""
+    """A one-element tensor is its own argmax; d = 0 leaves it at keep theta (sign(0) = 0)."""
     inputs = _tie_inputs([[0.0]])
     ref, got = _run_both(inputs, [1.0], False)
     _assert_same_step(ref, got, exact=True)
@@ -366,7 +373,7 @@ def _winners(params, inputs, row_numel):
     alpha = float(inputs["schedule"][1])
     out = []
     for p, p0, n in zip(params, inputs["params"], row_numel):
-        moved = (p != (1 - alpha) * p0).reshape(-1, n or max(p.numel(), 1))
+        moved = (p != _scaled(p0, alpha)).reshape(-1, n or max(p.numel(), 1))
         out.append([torch.nonzero(row).flatten().tolist() for row in moved])
     return out
 

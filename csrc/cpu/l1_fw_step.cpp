@@ -123,7 +123,7 @@ struct StepArgs {
   c10::IntArrayRef offsets;
   std::vector<TangentStream> streams;
   std::vector<acc_t> coeffs;
-  acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, 1 - alpha
+  acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, step_factors' keep
 };
 
 template <typename scalar_t, Source kSource, bool kMomentum>
@@ -216,7 +216,7 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
   using acc_t = acc_type<scalar_t>;
   const at::TensorList params = args.params;
   const size_t n = params.size();
-  const acc_t alpha = static_cast<acc_t>(schedule[1]);
+  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
 
   // Balls in the order of their radii: tensors in order, rows in order within a tensor.
   std::vector<Segment> segments;
@@ -257,12 +257,12 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
   double total_gap = 0;
   for (const Partial<acc_t>& best : per_ball) total_gap += best.dot;
 
-  // theta_i* += alpha * s_i* with s = -r sign(d_i*) e_i*; returns the vertex's gap term r |d_i*|.
+  // theta_i* += alpha_vertex * s_i* with s = -r sign(d_i*) e_i*; returns the vertex's gap term r |d_i*|.
   auto vertex_update = [&](size_t ball, double radius) {
     const Partial<acc_t>& best = per_ball[ball];
     scalar_t* theta = params[ball_tensor[ball]].data_ptr<scalar_t>();
     const acc_t s = -static_cast<acc_t>(radius) * sign_of(best.best_d);
-    theta[best.best_index] = static_cast<scalar_t>(static_cast<acc_t>(theta[best.best_index]) + alpha * s);
+    theta[best.best_index] = static_cast<scalar_t>(static_cast<acc_t>(theta[best.best_index]) + alpha_vertex * s);
     return static_cast<double>(std::abs(best.best_d)) * radius;
   };
 
@@ -301,7 +301,7 @@ void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
     StepArgs<scalar_t> args{params, momentum, grads, offsets, {}, {}, 0, 0, 0};
     args.gamma = static_cast<acc_t>(sched[2]);
     args.keep_v = acc_t(1) - args.gamma;
-    args.keep_theta = acc_t(1) - static_cast<acc_t>(sched[1]);
+    args.keep_theta = step_factors<acc_t>(sched[1]).keep;
     if (grads.empty()) {
       const int64_t step = static_cast<int64_t>(sched[0]);
       const double* coeffs = tangent_coeffs.data_ptr<double>();

@@ -7,9 +7,9 @@
 // 1. fw_chunks_kernel walks every long ball in chunks (multi_tensor.cuh; a long row is a table row of
 //    its own, so no chunk spans two balls). Per group of four elements it regenerates the tangents
 //    in registers (one Philox call per tangent) or reads the gradient, updates the momentum,
-//    accumulates <d, theta_old> and scales theta by (1 - alpha). Each chunk's block reduces
-//    (|d|, index) and the dot product into the chunk's slot. Block 0 also publishes the per-ball
-//    table the finalize needs (first slot, address, radius).
+//    accumulates <d, theta_old> and scales theta by keep ~ 1 - alpha (step_factors). Each chunk's
+//    block reduces (|d|, index) and the dot product into the chunk's slot. Block 0 also publishes
+//    the per-ball table the finalize needs (first slot, address, radius).
 // 2. fw_rows_kernel gives each short ball to one warp (blocks of one warp, a grid-stride loop over
 //    balls): the same per-element update, then a warp reduction, the vertex move and the ball's
 //    share of the gap, with no slot and no finalize. Per launch, a table of up to kMaxRowEntries
@@ -309,9 +309,8 @@ __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
   using acc_t = acc_type<scalar_t>;
   if (blockIdx.x == 0) publish_balls(table, ws);
   const int64_t step = static_cast<int64_t>(schedule[0]);
-  const acc_t alpha = static_cast<acc_t>(schedule[1]);
   const acc_t gamma = static_cast<acc_t>(schedule[2]);
-  const acc_t keep_theta = acc_t(1) - alpha;
+  const acc_t keep_theta = step_factors<acc_t>(schedule[1]).keep;
   const acc_t keep_v = acc_t(1) - gamma;
 
   for (int64_t c = blockIdx.x; c < table.num_chunks; c += gridDim.x) {
@@ -419,7 +418,7 @@ __global__ void __launch_bounds__(kSumThreads) fw_sum_shares_kernel(Workspace ws
 }
 
 // Block b reduces ball b's slots (all slots for the global ball), applies
-// theta_i* += alpha * (-r sign(d_i*)) and computes the ball's gap <d, theta_old> + r |d_i*|.
+// theta_i* += alpha_vertex * (-r sign(d_i*)) and computes the ball's gap <d, theta_old> + r |d_i*|.
 // Unless the ball is global, the last block sums every ball's share (the rows path's too).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFinalizeThreads)
@@ -443,10 +442,10 @@ __global__ void __launch_bounds__(kFinalizeThreads)
       const Slot& winner = ws.slots[best.key];
       const double radius = ws.ball_radius[winner.tensor];
       scalar_t* const theta = static_cast<scalar_t*>(ws.ball_param[winner.tensor]);
-      const acc_t alpha = static_cast<acc_t>(schedule[1]);
+      const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
       const acc_t vertex = rn_mul(-static_cast<acc_t>(radius), sign_of(best.d));
       theta[winner.index] =
-          static_cast<scalar_t>(rn_add(static_cast<acc_t>(theta[winner.index]), rn_mul(alpha, vertex)));
+          static_cast<scalar_t>(rn_add(static_cast<acc_t>(theta[winner.index]), rn_mul(alpha_vertex, vertex)));
       share = rn_add(share, rn_mul(static_cast<double>(abs_of(best.d)), radius));
     }
     if (global_ball) {
@@ -471,7 +470,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 
 // The rows kernel's candidate, in fewer registers than Candidate (the ptxas budget of the rows
 // kernel is tight): |d| is recomputed from d, the key is the element's index in its row (an int),
-// and key < 0 means no element yet. theta is the element's theta as written, (1 - alpha) theta_old
+// and key < 0 means no element yet. theta is the element's theta as written, keep * theta_old
 // rounded to the parameter dtype, so that the vertex move needs no load.
 template <typename acc_t>
 struct RowCandidate {
@@ -520,7 +519,7 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
   using acc_t = acc_type<scalar_t>;
   const int64_t step = static_cast<int64_t>(schedule[0]);
   const acc_t gamma = static_cast<acc_t>(schedule[2]);
-  const acc_t keep_theta = acc_t(1) - static_cast<acc_t>(schedule[1]);
+  const acc_t keep_theta = step_factors<acc_t>(schedule[1]).keep;
   const acc_t keep_v = acc_t(1) - gamma;
   const int warp_lane = threadIdx.x;
 
@@ -621,9 +620,9 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
         scalar_t* const theta = static_cast<scalar_t*>(table.data[kParamList][e]) + row * numel;
         const int64_t first_radius = table.first_radius[e];
         const double radius = first_radius < 0 ? table.radius[e] : radii[first_radius + row];
-        const acc_t alpha = static_cast<acc_t>(schedule[1]);
+        const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
         const acc_t vertex = rn_mul(-static_cast<acc_t>(radius), sign_of(best.d));
-        theta[best.key] = static_cast<scalar_t>(rn_add(best.theta, rn_mul(alpha, vertex)));
+        theta[best.key] = static_cast<scalar_t>(rn_add(best.theta, rn_mul(alpha_vertex, vertex)));
         share = rn_add(share, rn_mul(static_cast<double>(abs_of(best.d)), radius));
       }
       ws.ball_gap[table.first_share + b] = share;

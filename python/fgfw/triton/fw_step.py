@@ -10,8 +10,9 @@ launches, with no host synchronisation (schedule and coefficients are read by po
    ball's length plus its lead, see below; classes keep a ball of 5 from being padded to 1024): each
    program holds BLOCK // SEG consecutive balls of one tensor as the rows of a [BALLS, SEG]
    tile, regenerates the K tangents (or reads the gradient), updates v, takes each row's argmax |d|
-   (lowest index on ties, NaN counted largest, as torch.argmax), writes theta scaled by (1 - alpha)
-   with the winner moved to the vertex, theta_i* + alpha (-r sign(d_i*)), in the same store, and
+   (lowest index on ties, NaN counted largest, as torch.argmax), writes theta scaled by keep ~ 1 - alpha
+   with the winner moved to the vertex, theta_i* + alpha_vertex (-r sign(d_i*)) (_step_factors), in the
+   same store, and
    writes each ball's share of the gap, sum(d * theta_old) + r |d_i*|, in float64.
 2. ``_fw_blocks_kernel``, one program per block of BLOCK elements of a long ball's segment (a whole
    tensor or one long row): the same update without the vertex, writing the block's partials to its
@@ -87,6 +88,8 @@ _MIN_ROW_SEG = 4
 _RBLOCK = 1024
 
 _INF = tl.constexpr(float("inf"))
+_KAPPA_F32 = tl.constexpr(reference.feasibility_shrink(torch.float32))
+_KAPPA_F64 = tl.constexpr(reference.feasibility_shrink(torch.float64))
 _NO_INDEX = tl.constexpr(2**31 - 1)
 
 
@@ -118,6 +121,19 @@ def _argmax_abs(d, valid, index):
     hit = tl.where(tl.max(is_nan.to(tl.int32)) != 0, is_nan, key == top)
     best = tl.min(tl.where(hit, index, _NO_INDEX))
     return best, tl.sum(tl.where(index == best, d, 0.0))
+
+
+@triton.jit
+def _step_factors(schedule, COMPUTE_DTYPE: tl.constexpr):
+    """reference.step_factors: (keep, alpha_vertex) = ((1 - alpha) kappa, alpha kappa) in the compute dtype,
+    kappa = 1 - 4u, so that the rounded iterate stays in its ball (reference.feasibility_shrink)."""
+    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
+    # tl.full: the constant is made in the compute dtype itself (1 - 2^-51 would round to 1 in float32)
+    if COMPUTE_DTYPE == tl.float64:
+        kappa = tl.full([], _KAPPA_F64, tl.float64)
+    else:
+        kappa = tl.full([], _KAPPA_F32, tl.float32)
+    return (1.0 - alpha) * kappa, alpha * kappa
 
 
 @triton.jit
@@ -210,8 +226,8 @@ def _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d,
         tl.store(v_ptr, d, mask=valid)
     else:
         d = g
-    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    tl.store(theta_ptr, to_storage((1.0 - alpha) * theta, PARAM_DTYPE), mask=valid)
+    keep, _ = _step_factors(schedule, COMPUTE_DTYPE)
+    tl.store(theta_ptr, to_storage(keep * theta, PARAM_DTYPE), mask=valid)
     dot = d.to(tl.float64) * theta.to(tl.float64)
     if MASKED:
         dot = tl.where(valid, dot, 0.0)
@@ -297,12 +313,12 @@ def _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, ra
     best, d_best = _argmax_abs_rows(d, valid, col)
     # The reference's two roundings: theta scaled and rounded to its dtype, then the winner's rounded value
     # moved to the vertex and rounded again; held in registers, so theta is stored once.
-    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    scaled = to_storage((1.0 - alpha) * theta, PARAM_DTYPE)
+    keep, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
+    scaled = to_storage(keep * theta, PARAM_DTYPE)
     radius = tl.load(radii + ball, mask=live, other=1.0)
     sign = tl.where(d_best > 0, 1.0, tl.where(d_best < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
     vertex = -radius.to(COMPUTE_DTYPE) * sign
-    moved = to_storage(scaled.to(COMPUTE_DTYPE) + alpha * vertex[:, None], PARAM_DTYPE)
+    moved = to_storage(scaled.to(COMPUTE_DTYPE) + alpha_vertex * vertex[:, None], PARAM_DTYPE)
     tl.store(theta_ptr, tl.where(col == best[:, None], moved, scaled), mask=valid)
     tl.store(ball_gap + ball, tl.sum(dot, axis=1) + tl.abs(d_best.to(tl.float64)) * radius, mask=live)
 
@@ -396,8 +412,8 @@ def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial
     d = best_d.to(COMPUTE_DTYPE)
     sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
     vertex = -radius.to(COMPUTE_DTYPE) * sign
-    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    tl.store(theta_ptr, to_storage(tl.load(theta_ptr).to(COMPUTE_DTYPE) + alpha * vertex, PARAM_DTYPE))
+    _, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
+    tl.store(theta_ptr, to_storage(tl.load(theta_ptr).to(COMPUTE_DTYPE) + alpha_vertex * vertex, PARAM_DTYPE))
     tl.store(ball_gap + ball, tl.sum(dot) + tl.abs(best_d) * radius)
 
 
