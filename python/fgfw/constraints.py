@@ -127,13 +127,23 @@ class L1Ball:
         groups = [list(params)] if self.global_ball else [[p] for p in params]
         for tensors, r in zip(groups, radii):
             norm = self.norm(tensors)
+            if norm <= r:
+                continue
+            # an excess within rounding (e.g. a radius set from these very weights) is removed silently
             if norm > r * (1 + 1e-6):
                 warnings.warn(f"initial parameters have L1 norm {norm:.6g} > radius {r:.6g}: rescaled into the "
                               f"L1 ball by {r / norm:.6g} (pass a larger radius or L1Ball.relative_to_init to keep "
                               f"the initialisation)", stacklevel=_user_stacklevel())
-                with torch.no_grad():
+            with torch.no_grad():
+                for t in tensors:
+                    t.mul_(r / norm)
+                # the rescaled values are rounded: shrink by a few ulps until the stored norm is <= r, so
+                # that the step's guarantee (reference.feasibility_shrink) starts from a feasible point
+                for _ in range(16):
+                    if self.norm(tensors) <= r:
+                        break
                     for t in tensors:
-                        t.mul_(r / norm)
+                        t.mul_(1.0 - 4.0 * torch.finfo(t.dtype).eps)
 
     @staticmethod
     def lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:

@@ -73,6 +73,10 @@ def _check_radii(constraint: L1Ball, params: list[torch.Tensor], radii: object, 
         numbers(radii, len(params), "radii (one per tensor)")
 
 
+# Parameter dtypes stepped through a float32 master copy (see _FrankWolfeBase._master).
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """x as a float64 0-dim tensor on device: a tensor is moved (a no-op where it lies), a number is
     written by a fill kernel rather than copied from the host."""
@@ -177,9 +181,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         constraint = group["constraint"]
         if not isinstance(constraint, L1Ball):
             raise TypeError(f"constraint must be an fgfw.L1Ball, got {type(constraint).__name__}")
-        if constraint.global_ball and len({p.dtype for p in params}) > 1:
-            raise ValueError("an L1Ball with scope='global' needs one dtype for all params of the group, got "
-                             f"{sorted(map(str, {p.dtype for p in params}))}; split them into groups")
+        if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
+            raise ValueError("an L1Ball with scope='global' cannot mix float64 with other params (one compute dtype "
+                             f"per ball), got {sorted(map(str, {p.dtype for p in params}))}; split them into groups")
         self._check_group_hyperparameters(group)
         if params:
             _ops.resolve_backend(group["backend"], next(iter(devices)))  # fail now, not at the first step
@@ -265,8 +269,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             except TypeError as err:
                 raise ValueError(f"{where}: {err}") from None
             params = group["params"]
-            if constraint.global_ball and len({p.dtype for p in params}) > 1:
-                raise ValueError(f"{where} has a global ball, which needs one dtype for all its params, got "
+            if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
+                raise ValueError(f"{where} has a global ball, which cannot mix float64 with other params, got "
                                  f"{sorted(map(str, {p.dtype for p in params}))}")
             _check_radii(constraint, params, saved["radii"], where)
             groups.append(new)
@@ -286,16 +290,17 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             g, i, p = params_of[saved_id]
             if not isinstance(entry, dict):
                 raise ValueError(f"state_dict's state of parameter {i} of param group {g} must be a dict")
-            momentum = entry.get("momentum")
-            if momentum is None:
-                continue
-            if not isinstance(momentum, torch.Tensor) or not momentum.is_floating_point():
-                raise ValueError(f"state_dict's momentum of parameter {i} of param group {g} must be a floating "
-                                 f"tensor, got {momentum!r}")
-            if momentum.shape != p.shape:
-                raise ValueError(f"state_dict's momentum of parameter {i} of param group {g} has shape "
-                                 f"{tuple(momentum.shape)}, the parameter has shape {tuple(p.shape)}: the state was "
-                                 f"saved for another model")
+            for key in ("momentum", "master"):
+                value = entry.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise ValueError(f"state_dict's {key} of parameter {i} of param group {g} must be a floating "
+                                     f"tensor, got {value!r}")
+                if value.shape != p.shape:
+                    raise ValueError(f"state_dict's {key} of parameter {i} of param group {g} has shape "
+                                     f"{tuple(value.shape)}, the parameter has shape {tuple(p.shape)}: the state "
+                                     f"was saved for another model")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state saved by :meth:`state_dict` of the same optimizer class over parameters of the same
@@ -319,17 +324,34 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._check_state(state_dict["state"], groups)
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype; momentum keeps the compute dtype (fp32 for bf16).
+        # torch casts floating state to the parameter's dtype; momentum and the master copy keep the compute
+        # dtype (fp32 for bf16).
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
-            if "momentum" in saved:
-                self.state[p]["momentum"] = saved["momentum"].to(
-                    device=p.device, dtype=reference.compute_dtype(p.dtype), copy=True)
+            for key in ("momentum", "master"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
+                                                       copy=True)
         self._load_extra_state(extra)
 
     # -- the update ---------------------------------------------------------------------------------------------
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        """The float32 master copy of a float16/bfloat16 parameter (made at its first step).
+
+        The step's arithmetic keeps a float32 iterate exactly inside its ball (reference.feasibility_shrink);
+        stepping the half-precision values themselves would round them every step, and alpha |theta_i|
+        below half an ulp would stop an element from shrinking while the vertex element grows: the
+        iterate drifts out of the ball. The optimizer owns the parameter's value from then on: a value
+        written into the parameter from outside is overwritten by the next step (load it through
+        load_state_dict, or build a new optimizer).
+        """
+        state = self.state[p]
+        if "master" not in state:
+            state["master"] = p.detach().to(torch.float32)
+        return state["master"]
+
     def _plan(self, k: torch.Tensor) -> list[tuple[dict, float | torch.Tensor, float | torch.Tensor]]:
         """(group, alpha_k, gamma_k) for every group, evaluated before anything is modified.
 
@@ -378,10 +400,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             device = params[0].device
             backend = _ops.resolve_backend(group["backend"], device)
             momentum = self._uses_momentum(group)
-            # Per-tensor balls are independent: one call per dtype. A global ball is one call (one dtype).
+            # One call per compute dtype: float16/bfloat16 parameters step through their float32 master
+            # copies (_HALF_DTYPES), beside the float32 parameters.
             buckets: dict[torch.dtype, list[int]] = {}
             for i, p in enumerate(params):
-                buckets.setdefault(p.dtype, []).append(i)
+                buckets.setdefault(reference.compute_dtype(p.dtype), []).append(i)
             # (k, alpha_k, gamma_k) made on the device: no host-to-device copy, so a step can be captured
             schedule = torch.stack([_device_scalar(x, device) for x in (k, alpha, gamma)])
             coeffs = (tangent_coeffs.to(device) if tangent_coeffs is not None
@@ -394,8 +417,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     if any(g is None for g in grads) and not constraint.global_ball:
                         raise AssertionError("parameters without gradients are filtered before _apply")
                     # a global ball scales every parameter: a missing gradient is a zero gradient. The kernels
-                    # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied.
-                    grads = [torch.zeros_like(p) if g is None else g.contiguous() for p, g in zip(ps, grads)]
+                    # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied;
+                    # the op takes the gradients in the dtype of the tensors it steps (the masters' for halves).
+                    grads = [torch.zeros_like(p, dtype=dtype) if g is None else g.to(dtype).contiguous()
+                             for p, g in zip(ps, grads)]
                 moms = []
                 if momentum:
                     for p in ps:
@@ -403,14 +428,19 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                         if "momentum" not in state:
                             state["momentum"] = torch.zeros_like(p, dtype=reference.compute_dtype(p.dtype))
                         moms.append(state["momentum"])
+                halves = [(p, self._master(p)) for p in ps if p.dtype in _HALF_DTYPES]
+                ps = [self.state[p]["master"] if p.dtype in _HALF_DTYPES else p for p in ps]
                 radii = group["radii"] if constraint.global_ball else [group["radii"][i] for i in indices]
-                starts = [offsets.get(id(p), 0) for p in ps]
+                starts = [offsets.get(id(params[i]), 0) for i in indices]
                 row_numel = []
                 if constraint.scope == "row":
                     ps, grads, moms, radii, starts, row_numel = _row_balls(ps, grads, moms, radii, starts)
                 gap = torch.zeros((), dtype=torch.float64, device=device)
                 _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs, radii, constraint.global_ball, starts, seed,
                                  distribution, gap, backend=backend, row_numel=row_numel)
+                if halves:
+                    # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
+                    torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])
                 gaps.append(gap)
         # summed where the first group lives: no host synchronisation
         self.last_gap = None
