@@ -89,15 +89,22 @@ def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
 
 
-def _row_balls(params, grads, moms, radii, starts):
-    """Scope "row": the op's row_numel (each tensor's row length, see ``L1Ball.rows``) and one radius per row.
+def _spec_key(spec) -> object:
+    """A schedule as a dict key: names and numbers by value, callables by identity."""
+    return spec if isinstance(spec, (str, int, float)) else ("callable", id(spec))
 
-    Empty tensors have no ball and are left out (nothing of theirs moves).
-    """
-    keep = [t for t, p in enumerate(params) if p.numel()]
-    row_numel = [params[t][0].numel() if params[t].dim() >= 2 else 0 for t in keep]
-    pick = lambda xs: [xs[t] for t in keep] if xs else xs  # noqa: E731
-    return (pick(params), pick(grads), pick(moms), [r for t in keep for r in radii[t]], pick(starts), row_numel)
+
+def _radii_without_empty(members, radii: list) -> list:
+    """The radii of a call's balls once its empty tensors are left out: an empty tensor of tensor scope had
+    one radius (row scope: none, it has no rows)."""
+    out, at = [], 0
+    for group, _, _, i in members:
+        p = group["params"][i]
+        count = len(group["radii"][i]) if group["constraint"].scope == "row" else 1
+        if p.numel():
+            out.extend(radii[at:at + count])
+        at += count
+    return out
 
 
 class _FrankWolfeBase(torch.optim.Optimizer):
@@ -389,60 +396,87 @@ class _FrankWolfeBase(torch.optim.Optimizer):
     def _uses_momentum(self, group: dict) -> bool:
         return False
 
+    def _schedule_key(self, group: dict) -> tuple:
+        """What makes two groups' steps differ besides radius and scope: groups with equal keys share one
+        fused call (their alpha_k and gamma_k are the same)."""
+        return (_spec_key(group["step_size"]),)
+
     def _apply(self, plan, k: torch.Tensor, *, grads_of: Callable[[torch.Tensor], torch.Tensor | None] | None,
                tangent_coeffs: torch.Tensor | None, offsets: dict[int, int], seed: int, distribution: int) -> None:
-        gaps = []
+        # One fused call per (device, compute dtype, backend, momentum, schedule): param groups that differ only
+        # in radius or scope (per-layer radii, row balls here and tensor balls there) share it, since radii and
+        # row lengths travel per ball and per tensor. A global ball is one ball over its group: a call of its
+        # own. float16/bfloat16 parameters step through their float32 master copies (_HALF_DTYPES), beside the
+        # float32 parameters.
+        calls: dict[tuple, list] = {}
         for group, alpha, gamma in plan:
             params = group["params"]
             if not params:
                 continue
-            constraint: L1Ball = group["constraint"]
             device = params[0].device
             backend = _ops.resolve_backend(group["backend"], device)
             momentum = self._uses_momentum(group)
-            # One call per compute dtype: float16/bfloat16 parameters step through their float32 master
-            # copies (_HALF_DTYPES), beside the float32 parameters.
-            buckets: dict[torch.dtype, list[int]] = {}
+            own_call = id(group) if group["constraint"].global_ball else None
             for i, p in enumerate(params):
-                buckets.setdefault(reference.compute_dtype(p.dtype), []).append(i)
+                key = (device, reference.compute_dtype(p.dtype), backend, momentum, own_call,
+                       self._schedule_key(group))
+                calls.setdefault(key, []).append((group, alpha, gamma, i))
+        coeffs_on = {}
+        gaps = []
+        for (device, dtype, backend, momentum, own_call, _), members in calls.items():
+            _, alpha, gamma, _ = members[0]
             # (k, alpha_k, gamma_k) made on the device: no host-to-device copy, so a step can be captured
             schedule = torch.stack([_device_scalar(x, device) for x in (k, alpha, gamma)])
-            coeffs = (tangent_coeffs.to(device) if tangent_coeffs is not None
-                      else torch.zeros(0, dtype=torch.float64, device=device))
-            for dtype, indices in buckets.items():
-                ps = [params[i] for i in indices]
-                grads = []
+            if device not in coeffs_on:
+                coeffs_on[device] = (tangent_coeffs.to(device) if tangent_coeffs is not None
+                                     else torch.zeros(0, dtype=torch.float64, device=device))
+            global_ball = own_call is not None
+            ps, grads, moms, radii, starts, row_numel, halves = [], [], [], [], [], [], []
+            for group, _, _, i in members:
+                p = group["params"][i]
                 if grads_of is not None:
-                    grads = [grads_of(p) for p in ps]
-                    if any(g is None for g in grads) and not constraint.global_ball:
+                    g = grads_of(p)
+                    if g is None and not global_ball:
                         raise AssertionError("parameters without gradients are filtered before _apply")
                     # a global ball scales every parameter: a missing gradient is a zero gradient. The kernels
                     # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied;
                     # the op takes the gradients in the dtype of the tensors it steps (the masters' for halves).
-                    grads = [torch.zeros_like(p, dtype=dtype) if g is None else g.to(dtype).contiguous()
-                             for p, g in zip(ps, grads)]
-                moms = []
+                    grads.append(torch.zeros_like(p, dtype=dtype) if g is None else g.to(dtype).contiguous())
                 if momentum:
-                    for p in ps:
-                        state = self.state[p]
-                        if "momentum" not in state:
-                            state["momentum"] = torch.zeros_like(p, dtype=reference.compute_dtype(p.dtype))
-                        moms.append(state["momentum"])
-                halves = [(p, self._master(p)) for p in ps if p.dtype in _HALF_DTYPES]
-                ps = [self.state[p]["master"] if p.dtype in _HALF_DTYPES else p for p in ps]
-                radii = group["radii"] if constraint.global_ball else [group["radii"][i] for i in indices]
-                starts = [offsets.get(id(params[i]), 0) for i in indices]
-                row_numel = []
-                if constraint.scope == "row":
-                    ps, grads, moms, radii, starts, row_numel = _row_balls(ps, grads, moms, radii, starts)
-                gap = torch.zeros((), dtype=torch.float64, device=device)
-                _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs, radii, constraint.global_ball, starts, seed,
-                                 distribution, gap, backend=backend, row_numel=row_numel)
-                if halves:
-                    # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
-                    torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])
-                gaps.append(gap)
-        # summed where the first group lives: no host synchronisation
+                    state = self.state[p]
+                    if "momentum" not in state:
+                        state["momentum"] = torch.zeros_like(p, dtype=dtype)
+                    moms.append(state["momentum"])
+                if p.dtype in _HALF_DTYPES:
+                    halves.append((p, self._master(p)))
+                ps.append(self.state[p]["master"] if p.dtype in _HALF_DTYPES else p)
+                starts.append(offsets.get(id(p), 0))
+                scope = group["constraint"].scope
+                if scope == "row":
+                    # rows of a matrix are its balls (L1Ball.rows); a tensor below 2-D is one ball
+                    row_numel.append(math.prod(p.shape[1:]) if p.dim() >= 2 else 0)
+                    radii.extend(group["radii"][i])
+                else:
+                    row_numel.append(0)
+                    if not global_ball:
+                        radii.append(group["radii"][i])
+            if global_ball:
+                radii = list(members[0][0]["radii"])
+            # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
+            if any(not p.numel() for p in ps):
+                keep = [t for t, p in enumerate(ps) if p.numel()]
+                ps, grads, moms, starts, row_numel = ([xs[t] for t in keep] if xs else xs
+                                                      for xs in (ps, grads, moms, starts, row_numel))
+                if not global_ball:
+                    radii = _radii_without_empty(members, radii)
+            gap = torch.zeros((), dtype=torch.float64, device=device)
+            _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs_on[device], radii, global_ball, starts, seed,
+                             distribution, gap, backend=backend, row_numel=row_numel if any(row_numel) else [])
+            if halves:
+                # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
+                torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])
+            gaps.append(gap)
+        # summed where the first call's device is: no host synchronisation
         self.last_gap = None
         for gap in gaps:
             self.last_gap = gap if self.last_gap is None else self.last_gap + gap.to(self.last_gap.device)
@@ -492,6 +526,9 @@ class FrankWolfe(_FrankWolfeBase):
 
     def _uses_momentum(self, group: dict) -> bool:
         return bool(group["momentum"])
+
+    def _schedule_key(self, group: dict) -> tuple:
+        return (_spec_key(group["step_size"]), group["momentum"] or 0.0)
 
     def _averaging_weight(self, group: dict, k: torch.Tensor) -> float:
         return 1.0 - group["momentum"] if group["momentum"] else 0.0
@@ -804,6 +841,9 @@ class AFGFW(_ForwardGradientFrankWolfe):
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)
         schedules.check_schedule(group["averaging_weight"], "averaging_weight")
+
+    def _schedule_key(self, group: dict) -> tuple:
+        return (_spec_key(group["step_size"]), _spec_key(group["averaging_weight"]))
 
     def _uses_momentum(self, group: dict) -> bool:
         return True
