@@ -1,4 +1,4 @@
-// The tangent stream (DESIGN.md "The tangent stream"): Philox4x32-10 and its mapping to Gaussian
+// The tangent stream (docs/tangent_stream.md): Philox4x32-10 and its mapping to Gaussian
 // and Rademacher values, for host and device code. Bit-for-bit the mapping of
 // python/fgfw/reference.py; never change it without bumping TANGENT_STREAM_VERSION there, since
 // saved runs depend on it.

@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # CI runs from a clone with shared/ beside it; on the development machine it is /work/shared.
 SHARED_MNIST = next((p for p in (os.path.join(REPO, "..", "shared", "data", "mnist"), "/work/shared/data/mnist")
                      if os.path.isdir(p)), None)
+# The md5s of the shared copy, as docs/algorithms.md lists them.
 SHARED_MD5 = {"t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
               "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c"}
 
@@ -136,7 +137,7 @@ def test_load_dispatches_to_digits_by_default():
 def test_shared_mnist_test_set_loads_and_splits_8000_2000():
     for name, md5 in SHARED_MD5.items():
         with open(os.path.join(SHARED_MNIST, name), "rb") as f:
-            assert hashlib.md5(f.read()).hexdigest() == md5, f"{name} differs from the copy PAPER.md names"
+            assert hashlib.md5(f.read()).hexdigest() == md5, f"{name} differs from the copy docs/algorithms.md lists"
     (x_train, y_train), (x_test, y_test) = data.mnist_split(SHARED_MNIST)
     assert x_train.shape == (8000, 784) and x_test.shape == (2000, 784)
     # every class appears in both parts in roughly its share

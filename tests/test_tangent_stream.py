@@ -1,4 +1,4 @@
-"""The tangent stream: Philox4x32-10 known answers, the DESIGN.md mapping, and the compiled
+"""The tangent stream: Philox4x32-10 known answers, the mapping of docs/tangent_stream.md, and the compiled
 fill_tangent_ kernels (CPU, CUDA) against fgfw.reference on the same arguments.
 
 Rademacher tangents (one bit of each Philox word) must agree bit for bit, which checks the C++
@@ -46,7 +46,7 @@ def _kat_words_as_stream_inputs():
 
 
 def _expected_from_words(words, distribution):
-    """The DESIGN.md mapping written independently of reference.py, in float64 arithmetic."""
+    """The mapping of docs/tangent_stream.md written independently of reference.py, in float64 arithmetic."""
     if distribution == RADEMACHER:
         return [1.0 if w >> 31 == 0 else -1.0 for w in words]
     u = [((w >> 8) + 0.5) * 2.0**-24 for w in words]

@@ -2,6 +2,7 @@
 // One pass over each element regenerates u (never stored), updates v, scales theta, and reduces
 // the argmax |d| and <d, theta_old>; then only the winning element(s) move to the vertex.
 // The arithmetic follows python/fgfw/reference.py operation by operation (same roundings, no FMA).
+// Design: docs/fused_step.md, "CPU kernel".
 //
 // Speed: the pass runs in blocks of kBlock elements through small loops the compiler vectorises
 // (no per-element branch on dtype, direction source or momentum: they are template parameters):

@@ -91,8 +91,8 @@ void philox_block(const TangentStream& stream, uint64_t q0, int n, uint32_t (&wo
   }
 }
 
-// u for the 4 n elements of those calls, in stream order (DESIGN.md's mapping): u[4 c + l] is
-// element 4 (q0 + c) + l.
+// u for the 4 n elements of those calls, in stream order (docs/tangent_stream.md, "From words to
+// values"): u[4 c + l] is element 4 (q0 + c) + l.
 template <Distribution kDistribution, int kCalls>
 void tangent_block(const uint32_t (&words)[4][kCalls], int n, float* u) {
   if constexpr (kDistribution == kRademacher) {

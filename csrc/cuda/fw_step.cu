@@ -1,5 +1,5 @@
 // l1_fw_step_ on CUDA: one fused Frank-Wolfe step over L1 ball(s) for a group of tensors, in a few
-// kernels and no host synchronisation (DESIGN.md "The fused step").
+// kernels and no host synchronisation (docs/fused_step.md, "CUDA kernels").
 //
 // A ball is a whole tensor, one row of row_numel elements of a tensor (scope "row"), or every
 // tensor at once (the global ball). Balls of at most kMaxWarpBall elements take the rows path,

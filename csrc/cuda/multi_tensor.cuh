@@ -2,7 +2,8 @@
 // chunks, the way ATen's MultiTensorApply and apex do, but with the whole per-tensor table passed
 // as one __grid_constant__ kernel argument (CUDA >= 12.1 allows 32 KiB of arguments on sm_70+).
 // An argument costs no copy to the device, so a launch never synchronises the host and is
-// captured by a CUDA graph as it is; the math lives in a functor-like kernel body elsewhere.
+// captured by a CUDA graph as it is; the math lives in a functor-like kernel body elsewhere
+// (docs/fused_step.md, "CUDA kernels").
 //
 // Geometry. Tensor t's elements are grouped by four along its stream index offset[t] + j (one
 // Philox call per group, see philox.h): group g holds j = 4 g - lead + lane, lane 0..3, with

@@ -11,10 +11,11 @@ activation's tangent is freed together with the activation.
 
 An engine is a function with the signature of :func:`directional_derivative`; :data:`ENGINES` maps
 engine names to engines so that a leaner engine (per-layer, just-in-time tangents and lean JVP rules,
-see DESIGN.md) can be added beside the default one and selected by name.
+see :mod:`fgfw.lean` and docs/algorithms.md, "Estimators") can be added beside the default one and
+selected by name.
 
-Why the default engine is ``"forward_ad"`` (``torch.autograd.forward_ad``), not ``torch.func.jvp``
-----------------------------------------------------------------------------------------------------
+Why the reference engine is ``"forward_ad"`` (``torch.autograd.forward_ad``), not ``torch.func.jvp``
+------------------------------------------------------------------------------------------------------
 * The user's closure calls the real module object, so the parameters themselves must carry the
   tangents while it runs. ``torch.func.jvp`` is a functional transform: it would still need the
   parameters swapped inside the module, and it refuses in-place updates of captured tensors, which

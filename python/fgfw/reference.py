@@ -6,6 +6,8 @@ integer Philox stream, within a tight tolerance for Gaussian tangents and floati
 
 The tangent stream (never change it without bumping TANGENT_STREAM_VERSION: saved runs depend on it)
 ----------------------------------------------------------------------------------------------------
+The full spec, with the backends' agreement and versioning, is docs/tangent_stream.md; in short:
+
 Philox4x32-10, key = the 64-bit seed as (lo, hi). Element i of the optimizer's flat parameter index
 space (parameter order, then flat index; each tensor starts at its ``offset``, which the optimizers
 round up to a multiple of 4 so that every tensor begins with a whole Philox call) uses the call at
@@ -158,7 +160,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float],
                 global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
                 gap: torch.Tensor, row_numel: Sequence[int] = ()) -> None:
-    """One Frank-Wolfe step over the L1 ball(s), in place. The spec of the fused kernels.
+    """One Frank-Wolfe step over the L1 ball(s), in place. The spec of the fused kernels (docs/fused_step.md).
 
     * ``schedule`` = float64 tensor (step k, alpha_k, gamma_k).
     * direction g: ``grads[t]`` if grads are given (backprop FW), else the forward gradient

@@ -1,5 +1,7 @@
 """The fused L1-ball Frank-Wolfe step in Triton: the Triton backend of reference.l1_fw_step_.
 
+Design and the other backends: docs/fused_step.md ("Triton kernels").
+
 A ball is a whole tensor, one row of a tensor (``row_numel``), or every tensor at once (the global
 ball). Balls that fit a program ("short": a row, or a small tensor such as a bias, of at most
 _MAX_ROW_SEG elements) are stepped and finished by that program; the others ("long": big tensors,

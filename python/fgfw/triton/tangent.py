@@ -1,4 +1,5 @@
-"""The tangent stream in Triton: Philox4x32-10 on uint32 words, floats derived by hand (reference.py).
+"""The tangent stream in Triton: Philox4x32-10 on uint32 words, floats derived by hand (reference.py;
+the spec is docs/tangent_stream.md).
 
 Triton's own ``tl.rand``/``tl.randn`` are not used: their float conversion has changed between Triton
 releases, and the stream must never change (TANGENT_STREAM_VERSION). The rounds are written out here
