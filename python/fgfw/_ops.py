@@ -112,10 +112,16 @@ def available_backends(device) -> list[str]:
 @torch.compiler.assume_constant_result
 def resolve_backend(backend: str | None, device) -> str:
     """The backend to use on ``device``: ``backend``, else $FGFW_BACKEND, else the fastest available."""
-    device = torch.device(device)
+    # Every step asks, for every param group: the answer is remembered (what is built and installed does
+    # not change in a process; the environment variable is part of the question).
+    return _resolve_backend(backend, torch.device(device), os.environ.get(BACKEND_ENV_VAR) or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_backend(backend: str | None, device: torch.device, from_env: str | None) -> str:
     source = "backend"
-    if backend is None and os.environ.get(BACKEND_ENV_VAR):
-        backend, source = os.environ[BACKEND_ENV_VAR], BACKEND_ENV_VAR
+    if backend is None and from_env:
+        backend, source = from_env, BACKEND_ENV_VAR
     if backend is None or backend == "auto":
         for candidate in ("cuda", "cpu", "triton", "torch"):
             # triton on the CPU runs in the (slow) interpreter: only when asked for by name

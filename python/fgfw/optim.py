@@ -414,13 +414,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if not params:
                 continue
             device = params[0].device
-            backend = _ops.resolve_backend(group["backend"], device)
-            momentum = self._uses_momentum(group)
-            own_call = id(group) if group["constraint"].global_ball else None
+            # everything but the dtype is the group's: computed once per group, not per tensor
+            shared = (_ops.resolve_backend(group["backend"], device), self._uses_momentum(group),
+                      id(group) if group["constraint"].global_ball else None, self._schedule_key(group))
             for i, p in enumerate(params):
-                key = (device, reference.compute_dtype(p.dtype), backend, momentum, own_call,
-                       self._schedule_key(group))
-                calls.setdefault(key, []).append((group, alpha, gamma, i))
+                calls.setdefault((device, reference.compute_dtype(p.dtype), *shared), []).append(
+                    (group, alpha, gamma, i))
         coeffs_on = {}
         gaps = []
         for (device, dtype, backend, momentum, own_call, _), members in calls.items():
@@ -441,7 +440,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     # a global ball scales every parameter: a missing gradient is a zero gradient. The kernels
                     # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied;
                     # the op takes the gradients in the dtype of the tensors it steps (the masters' for halves).
-                    grads.append(torch.zeros_like(p, dtype=dtype) if g is None else g.to(dtype).contiguous())
+                    if g is None:
+                        g = torch.zeros_like(p, dtype=dtype)
+                    elif g.dtype != dtype or not g.is_contiguous():
+                        g = g.to(dtype).contiguous()
+                    grads.append(g)
                 if momentum:
                     state = self.state[p]
                     if "momentum" not in state:
