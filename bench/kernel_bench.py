@@ -333,6 +333,8 @@ def main(argv=None):
                         help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
     parser.add_argument("--mlp-rows", action="store_true",
                         help="add the 12 x 1024 MLP with one L1 ball per row (scope='row')")
+    parser.add_argument("--compile-modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="modes to time torch.compile in (default: all)")
     parser.add_argument("--compile-sizes", nargs="+", type=float, default=None,
                         help="time torch.compile only on the single-tensor cases of these sizes (each size "
                              "compiles anew; the many-tensor steps take minutes to compile; default: every case)")
@@ -381,8 +383,8 @@ def main(argv=None):
             if not fits(numel, device, mode, backends):
                 print(f"skip {name} {mode} {numel:.3g} params: not enough memory", file=sys.stderr)
                 continue
-            compile_here = args.compile_sizes is None or (name == "single" and numel in
-                                                          {int(x) for x in args.compile_sizes})
+            compile_here = mode in args.compile_modes and (
+                args.compile_sizes is None or (name == "single" and numel in {int(x) for x in args.compile_sizes}))
             case_backends = [b for b in backends if b != "compile" or compile_here]
             case_rows = run_case(name, shapes, device, mode, case_backends, args.tangents, min_time, args.warmup,
                                  rows_scope)

@@ -10,7 +10,7 @@
 #   2. the GPU test files, compiled (CUDA kernels, tangent stream, Triton, compile, optimizers)
 #   3. a few CUDA kernel tests under compute-sanitizer memcheck and racecheck
 #   4. the reduced kernel benchmark: sizes 1e6, 1e7, 1e8; AFGFW, FGFW and backprop FW; fused, triton,
-#      eager, compile (at 1e8 only: each shape compiles anew), copy; the 200-tensor model; the 12 x 1024 MLP with row
+#      eager, compile (AFGFW at 1e8 only: each shape compiles anew), copy; the 200-tensor model; the 12 x 1024 MLP with row
 #      balls; and AFGFW with 4 Gaussian tangents at 1e8.
 # At most 8 files land in $OUT (no sub-folders): summary.txt (environment, each step's status and time,
 # the benchmark tables), build.log, tests.log, sanitizer.log, kernel_gpu.csv, kernel_gpu.log,
@@ -81,7 +81,7 @@ done
 
 bench=(python3 bench/kernel_bench.py --device cuda --min-time 0.25)
 run "kernel benchmark" 120 "${bench[@]}" --sizes 1e6 1e7 1e8 --modes afgfw fgfw fw \
-  --backends fused,triton,eager,compile,copy --compile-sizes 1e8 --mlp-rows \
+  --backends fused,triton,eager,compile,copy --compile-sizes 1e8 --compile-modes afgfw --mlp-rows \
   --out "$out/kernel_gpu.csv" --figure "$out/kernel_gpu.png" >"$out/kernel_gpu.log" 2>&1
 run "kernel benchmark, 4 tangents" 40 "${bench[@]}" --sizes 1e8 --modes afgfw --tangents 4 \
   --backends fused,triton,copy --model-width 0 --append --out "$out/kernel_gpu.csv" \
