@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.14.1" numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" \
-  pytest scikit-learn matplotlib tqdm
+  pytest hypothesis scikit-learn matplotlib tqdm
 # --no-build-isolation: build against the torch just installed (BUILD-NOTES: isolation pulls a second torch)
 .venv/bin/python -m pip install -q --no-build-isolation ${FGFW_EDITABLE:+-e} . 

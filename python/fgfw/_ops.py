@@ -140,6 +140,13 @@ def _resolve_backend(backend: str | None, device: torch.device, from_env: str | 
     return backend
 
 
+def _int64(seed: int) -> int:
+    """A 64-bit seed as the signed int64 with the same bits: the ops' schemas take int64, and the stream
+    keys on the seed's 64 bits (two's complement, reference.seed_to_key), so 2^63 and -2^63 are one key."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangent_id: int, offset: int,
                   distribution: int, backend: str) -> torch.Tensor:
     """Writes the tangent stream into ``out`` (see ``reference.fill_tangent_``) and returns ``out``.
@@ -149,6 +156,7 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
     synchronisation, one graph under torch.compile for every step, and a CUDA graph that replays it
     draws the tangents of the step the counter holds then.
     """
+    seed = _int64(int(seed))
     if isinstance(step, torch.Tensor):
         if backend in ("cpu", "cuda"):
             torch.ops.fgfw.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
@@ -170,7 +178,7 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
                 gap, backend: str, row_numel=()) -> None:
     """One fused L1-ball Frank-Wolfe step (see ``reference.l1_fw_step_``) on ``backend``."""
     args = (list(params), list(momentum), list(grads), schedule, tangent_coeffs, [float(r) for r in radii],
-            bool(global_ball), [int(o) for o in offsets], int(seed), int(distribution), gap,
+            bool(global_ball), [int(o) for o in offsets], _int64(int(seed)), int(distribution), gap,
             [int(n) for n in row_numel])
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.l1_fw_step_(*args)
