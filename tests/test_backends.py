@@ -76,3 +76,17 @@ def test_import_registers_the_compiled_ops():
     names = set(torch._C._dispatch_get_all_op_names())
     assert {"fgfw::fill_tangent_", "fgfw::l1_fw_step_"} <= names
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CPU")
+
+
+def test_triton_launchers_called_by_name_in_a_fresh_process():
+    # torch.ops.fgfw_triton is registered by importing fgfw.triton: calling the op layer with
+    # backend="triton" before anything imported it raised AttributeError
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "import torch\nfrom fgfw import _ops, reference\n"
+            "out = torch.empty(7)\n_ops.fill_tangent_(out, 1, 2, 0, 3, 1, 'triton')\n"
+            "assert torch.equal(out, reference.tangent(7, 1, 2, 0, 3, 1))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -140,6 +140,13 @@ def _resolve_backend(backend: str | None, device: torch.device, from_env: str | 
     return backend
 
 
+def _require_triton() -> None:
+    """Imports fgfw.triton, which registers torch.ops.fgfw_triton, before a launcher is called by name."""
+    if _triton_module() is None:
+        raise ValueError("backend='triton' needs triton, and a GPU or TRITON_INTERPRET=1 set before fgfw.triton "
+                         "is imported")
+
+
 def _int64(seed: int) -> int:
     """A 64-bit seed as the signed int64 with the same bits: the ops' schemas take int64, and the stream
     keys on the seed's 64 bits (two's complement, reference.seed_to_key), so 2^63 and -2^63 are one key."""
@@ -161,6 +168,7 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
         if backend in ("cpu", "cuda"):
             torch.ops.fgfw.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
         elif backend == "triton":
+            _require_triton()
             torch.ops.fgfw_triton.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
         else:
             reference.fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)
@@ -168,6 +176,7 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     elif backend == "triton":
+        _require_triton()
         torch.ops.fgfw_triton.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
     else:
         reference.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
@@ -183,6 +192,7 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.l1_fw_step_(*args)
     elif backend == "triton":
+        _require_triton()
         torch.ops.fgfw_triton.l1_fw_step_(*args)
     else:
         reference.l1_fw_step_(*args)
