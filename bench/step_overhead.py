@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 import fgfw
 from fgfw.experiments import write_csv
 from fgfw.models import paper_mlp
+from kernel_bench import time_cpu  # bench/ is the script's folder: on sys.path
 
 RHO = 0.9
 
@@ -85,23 +85,6 @@ def copy_step(make):
     return lambda: dst.copy_(src)
 
 
-def time_interleaved(steps: dict, min_time: float) -> dict[str, list[float]]:
-    for step in steps.values():
-        for _ in range(3):
-            step()
-    start = time.perf_counter()
-    for step in steps.values():
-        step()
-    repeats = max(7, min(2000, int(min_time / max(time.perf_counter() - start, 1e-7))))
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            begin = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - begin)
-    return times
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -115,7 +98,7 @@ def main(argv=None):
         make = MODELS[name]
         steps = {"one group": frank_wolfe_step(False, make), "group per tensor": frank_wolfe_step(True, make),
                  "eager": eager_step(make), "copy": copy_step(make)}
-        times = time_interleaved(steps, args.min_time)
+        times = time_cpu(steps, args.min_time, warmup=3)
         numel = sum(p.numel() for p in make().parameters())
         tensors = len(list(make().parameters()))
         medians = {k: statistics.median(v) for k, v in times.items()}

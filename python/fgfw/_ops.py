@@ -164,22 +164,16 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
     draws the tangents of the step the counter holds then.
     """
     seed = _int64(int(seed))
-    if isinstance(step, torch.Tensor):
-        if backend in ("cpu", "cuda"):
-            torch.ops.fgfw.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
-        elif backend == "triton":
-            _require_triton()
-            torch.ops.fgfw_triton.fill_tangent_at_step_(out, seed, step, tangent_id, offset, distribution)
-        else:
-            reference.fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)
-        return out
+    at_step = isinstance(step, torch.Tensor)
     if backend in ("cpu", "cuda"):
-        torch.ops.fgfw.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+        op = torch.ops.fgfw.fill_tangent_at_step_ if at_step else torch.ops.fgfw.fill_tangent_
+        op(out, seed, step, tangent_id, offset, distribution)
     elif backend == "triton":
         _require_triton()
-        torch.ops.fgfw_triton.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+        op = torch.ops.fgfw_triton.fill_tangent_at_step_ if at_step else torch.ops.fgfw_triton.fill_tangent_
+        op(out, seed, step, tangent_id, offset, distribution)
     else:
-        reference.fill_tangent_(out, seed, step, tangent_id, offset, distribution)
+        reference.fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)  # reads it on the host
     return out
 
 
