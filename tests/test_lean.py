@@ -103,6 +103,24 @@ def test_rule_with_some_inputs_constant(name):
         torch.testing.assert_close(lean_t, ref_t, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", RULES)
+def test_rule_run_directly_in_the_engines_setting(name, monkeypatch):
+    """Forward AD under no_grad (the one-tangent engine's setting): the rules run without
+    autograd.Function.apply, on all inputs with a tangent, then on each alone."""
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(lambda cls, *a: pytest.fail("apply called")))
+    lean_fn, torch_fn, inputs, kwargs = RULES[name]
+    torch.manual_seed(17)
+    tangents = [torch.randn_like(x) for x in inputs]
+    for with_tangent in [range(len(inputs))] + [[i] for i in range(len(inputs))]:
+        with torch.no_grad(), fwAD.dual_level():
+            args = [fwAD.make_dual(x, t) if i in with_tangent else x for i, (x, t) in enumerate(zip(inputs, tangents))]
+            out, out_t = fwAD.unpack_dual(lean_fn(*args, **kwargs))
+            with sdpa_kernel(SDPBackend.MATH):
+                ref, ref_t = fwAD.unpack_dual(torch_fn(*args, **kwargs))
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
+
+
 def test_rules_under_vmap_of_jvp():
     """K tangents at once (the batched engine's path), including the in-place accumulations."""
     for name in ("linear", "layer_norm", "conv2d", "attention"):

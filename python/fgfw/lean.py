@@ -23,7 +23,9 @@ for an input without one (input-sized) and adds terms apart (five output-sized b
 suffice). The calls below are routed to ``torch.autograd.Function`` subclasses with a ``jvp``
 staticmethod that accumulate in place; they work under ``torch.autograd.forward_ad`` and
 ``torch.func.jvp`` / ``vmap`` (``generate_vmap_rule``), and so compose with the stock rules of
-everything else. Buffers beyond ``y`` and ``y_dot``, per rule:
+everything else. The one-tangent engine runs a rule's ``forward``, ``setup_context`` and ``jvp`` itself
+on the primals and tangents (:func:`_apply`): ``Function.apply``'s per-call machinery costs more than a
+small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 
 * ``F.linear`` (``nn.Linear``): none (``addmm`` then ``addmm_`` into the tangent).
 * ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
@@ -392,32 +394,72 @@ class AttentionJvp(torch.autograd.Function):
 
 
 # -- routing of torch calls to the rules (same signatures as the functions they replace) -------------------------
+class _Ctx:
+    """The ``ctx`` that a rule's ``setup_context`` and ``jvp`` get when :func:`_apply` runs them itself."""
+
+    def save_for_forward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value):
+        # the rules that leave it on have one floating-point tensor input, and jvp runs only when that
+        # input has a tangent: nothing to materialise
+        pass
+
+
+def _apply(rule, *args):
+    """``rule.apply(*args)``, run lean in the one-tangent engine's setting.
+
+    ``autograd.Function.apply`` costs tens of microseconds a call (it binds the arguments by
+    ``inspect.signature``, makes a graph node, wraps the outputs), more than a small layer's kernels. In a
+    forward-AD pass without grad mode or functorch transforms, the rule's own ``forward``,
+    ``setup_context`` and ``jvp`` run here instead, on the primals and tangents: the same arithmetic. Under
+    ``torch.func`` (the batched engine, ``vmap`` over ``jvp``) or with grad mode on, ``apply`` it is.
+    """
+    level = fwAD._current_level
+    if level < 0 or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return rule.apply(*args)
+    primals, tangents, dual = [], [], False
+    for a in args:
+        t = None
+        if isinstance(a, torch.Tensor):
+            a, t = torch._unpack_dual(a, level)  # fwAD.unpack_dual without its per-call wrappers
+            dual = dual or t is not None
+        primals.append(a)
+        tangents.append(t)
+    out = rule.forward(*primals)
+    if not dual:  # as apply: no input tangent, no jvp, no output tangent
+        return out
+    ctx = _Ctx()
+    rule.setup_context(ctx, tuple(primals), out)
+    return torch._make_dual(out, rule.jvp(ctx, *tangents), level)
+
+
 def linear(input, weight, bias=None):
-    return LinearJvp.apply(input, weight, bias)
+    return _apply(LinearJvp, input, weight, bias)
 
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return Conv2dJvp.apply(input, weight, bias, stride, padding, dilation, groups)
+    return _apply(Conv2dJvp, input, weight, bias, stride, padding, dilation, groups)
 
 
 def relu(input, inplace=False):
     if inplace:  # torch's in-place rule updates the tangent in place: already lean
         return NotImplemented
-    return ReLUJvp.apply(input)
+    return _apply(ReLUJvp, input)
 
 
 def gelu(input, approximate="none"):
-    return GELUJvp.apply(input, approximate)
+    return _apply(GELUJvp, input, approximate)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    return LayerNormJvp.apply(input, tuple(normalized_shape), weight, bias, eps)
+    return _apply(LayerNormJvp, input, tuple(normalized_shape), weight, bias, eps)
 
 
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None or dtype is not None:
         return NotImplemented
-    return SoftmaxJvp.apply(input, dim)
+    return _apply(SoftmaxJvp, input, dim)
 
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -425,14 +467,14 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if (weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
             or input.dim() not in (1, 2) or target.dim() != input.dim() - 1 or target.is_floating_point()):
         return NotImplemented
-    return CrossEntropyJvp.apply(input, target, ignore_index, reduction)
+    return _apply(CrossEntropyJvp, input, target, ignore_index, reduction)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     if dropout_p != 0.0 or enable_gqa or (is_causal and attn_mask is not None):
         return NotImplemented
-    return AttentionJvp.apply(query, key, value, attn_mask, is_causal, scale)
+    return _apply(AttentionJvp, query, key, value, attn_mask, is_causal, scale)
 
 
 def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
