@@ -323,14 +323,10 @@ class CrossEntropyJvp(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, logits_t, *_):
         logits, target = ctx.saved_tensors
-        per_sample = _rowdot(torch.softmax(logits, -1), logits_t)
-        valid = (target != ctx.ignore_index).unsqueeze(-1)
-        per_sample.sub_(logits_t.gather(-1, target.clamp(min=0).unsqueeze(-1)))
-        per_sample = torch.where(valid, per_sample, 0).squeeze(-1)
-        if ctx.reduction == "none":
-            return per_sample
-        total = per_sample.sum()
-        return total if ctx.reduction == "sum" else total / valid.sum().to(total.dtype)
+        dot = _rowdot(torch.softmax(logits, -1), logits_t)  # the softmax is freed here, before the next buffer
+        # nll_loss(a, y) reduces -a_i[y_i] over the rows whose target is not ignored, as the loss does: with
+        # a = z_dot - <softmax(z), z_dot> it is the loss tangent, in one kernel (gather, mask, reduction)
+        return F.nll_loss(logits_t - dot, target, ignore_index=ctx.ignore_index, reduction=ctx.reduction)
 
 
 class AttentionJvp(torch.autograd.Function):
