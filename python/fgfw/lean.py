@@ -149,19 +149,23 @@ class LinearJvp(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t):
+        # F.linear, not reshapes around addmm: on small layers each extra view costs as much as a kernel
         x, weight = ctx.saved_tensors
-        shape = x.shape[:-1] + weight.shape[:1]
-        x2 = x.reshape(-1, x.shape[-1])
         t = None
         if weight_t is not None:
-            t = torch.mm(x2, weight_t.t()) if bias_t is None else torch.addmm(bias_t, x2, weight_t.t())
+            t = F.linear(x, weight_t, bias_t)
             bias_t = None
         if x_t is not None:
-            x_t2 = x_t.reshape(x2.shape)
-            t = torch.mm(x_t2, weight.t()) if t is None else _add_matmul_(t, x_t2, weight.t())
+            if t is None:
+                t = F.linear(x_t, weight, bias_t)
+                bias_t = None
+            elif t.dim() == 2:
+                _add_matmul_(t, x_t, weight.t())
+            else:  # into a 2-D view of t
+                _add_matmul_(t.view(-1, t.shape[-1]), x_t.reshape(-1, x_t.shape[-1]), weight.t())
         if bias_t is not None:
-            t = bias_t.expand(x2.shape[0], -1).clone() if t is None else t.add_(bias_t)
-        return t.view(shape)
+            t = bias_t.expand(*x.shape[:-1], weight.shape[0]).clone()
+        return t
 
 
 class Conv2dJvp(torch.autograd.Function):
@@ -625,8 +629,8 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
 
     with torch.inference_mode(False), torch.no_grad(), fwAD.dual_level() as level:
         with _JustInTimeTangents(params, dual_of):
-            loss = _check_loss(closure())
-        primal, loss_tangent = torch._unpack_dual(loss, level)
+            loss = closure()
+        primal, loss_tangent = torch._unpack_dual(_check_loss(loss), level)
         loss = primal.detach().reshape(())
         c = torch.zeros_like(loss) if loss_tangent is None else loss_tangent.detach().reshape(())
     return loss, c
