@@ -35,9 +35,6 @@ def rule_cases():
                    dict(stride=2, padding=1)),
         "conv2d_groups": (lean.conv2d, F.conv2d, [randn(3, 4, 6, 6), randn(6, 2, 3, 3), randn(6)],
                           dict(padding="same", groups=2, dilation=1)),
-        "relu": (lean.relu, F.relu, [randn(4, 9)], {}),
-        "gelu": (lean.gelu, F.gelu, [randn(4, 9)], {}),
-        "gelu_tanh": (lean.gelu, F.gelu, [randn(4, 9)], dict(approximate="tanh")),
         "layer_norm": (lambda x, w, b: lean.layer_norm(x, (3, 5), w, b), lambda x, w, b: F.layer_norm(x, (3, 5), w, b),
                        [randn(4, 3, 5), randn(3, 5), randn(3, 5)], {}),
         "layer_norm_plain": (lambda x: lean.layer_norm(x, (7,)), lambda x: F.layer_norm(x, (7,)), [randn(2, 3, 7)], {}),
@@ -121,6 +118,22 @@ def test_rule_run_directly_in_the_engines_setting(name, monkeypatch):
         torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])
+def test_relu_and_gelu_keep_torchs_rule_which_is_lean(approximate):
+    """No rule for them: torch's forward-mode rule is one kernel on the tangent, no buffer beyond y, y_dot."""
+    fn = F.relu if approximate is None else lambda x: F.gelu(x, approximate=approximate)
+    backward = (lambda g, x, y: torch.ops.aten.threshold_backward(g, y, 0)) if approximate is None else (
+        lambda g, x, y: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+    assert (F.relu if approximate is None else F.gelu) not in lean._RULES
+    torch.manual_seed(18)
+    x, x_t = randn(64, 32), randn(64, 32)
+    with torch.no_grad(), fwAD.dual_level():
+        dual = fwAD.make_dual(x, x_t)
+        (y, y_t), peak = lean.measure_peak(lambda: fwAD.unpack_dual(fn(dual)))
+    assert peak <= 2 * y.nbytes
+    torch.testing.assert_close(y_t, backward(x_t, x, y), rtol=0, atol=0)
+
+
 def test_rules_under_vmap_of_jvp():
     """K tangents at once (the batched engine's path), including the in-place accumulations."""
     for name in ("linear", "layer_norm", "conv2d", "attention"):
@@ -141,7 +154,6 @@ def test_unsupported_variants_are_declined():
     assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), weight=randn(3)) is NotImplemented
     assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), label_smoothing=0.1) is NotImplemented
     assert lean.scaled_dot_product_attention(x[None], x[None], x[None], dropout_p=0.1) is NotImplemented
-    assert lean.relu(x, inplace=True) is NotImplemented
 
 
 # -- the engines against backprop ------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 * ``F.linear`` (``nn.Linear``): none (``addmm`` then ``addmm_`` into the tangent).
 * ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
   batch chunk).
-* ``F.relu`` / ``F.gelu``: none (``threshold_backward`` / ``gelu_backward`` on the tangent).
 * ``F.layer_norm``: the normalised input ``x_hat`` (row statistics by batched dot products, no
   product temporaries).
 * ``F.softmax`` and ``F.cross_entropy`` (class-index targets, no class weights or label smoothing):
@@ -42,8 +41,10 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
   ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
 
-Anything else (other layers, unsupported variants such as dropout inside attention or class weights)
-runs with torch's own forward-mode rules: correct, not lean.
+``F.relu`` and ``F.gelu`` need no rule: torch's own is already one kernel on the tangent
+(``threshold_backward`` / ``gelu_backward``), run without a Python call. Anything else (other layers,
+unsupported variants such as dropout inside attention or class weights) runs with torch's own
+forward-mode rules: correct, not lean.
 
 Several tangents in one pass
 ----------------------------
@@ -205,45 +206,6 @@ class Conv2dJvp(torch.autograd.Function):
             bias_t = bias_t.view(-1, 1, 1)
             t = bias_t.expand(ctx.out_shape).clone() if t is None else t.add_(bias_t)
         return t
-
-
-class ReLUJvp(torch.autograd.Function):
-    """y = max(x, 0);  y_dot = x_dot where y > 0, else 0 (one kernel, no mask buffer)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return torch.relu(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_forward(output)
-
-    @staticmethod
-    def jvp(ctx, x_t):
-        (y,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(x_t, y, 0)
-
-
-class GELUJvp(torch.autograd.Function):
-    """y = gelu(x);  y_dot = gelu'(x) x_dot (one kernel)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, approximate):
-        return F.gelu(x, approximate=approximate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.approximate = inputs
-        ctx.save_for_forward(x)
-
-    @staticmethod
-    def jvp(ctx, x_t, _):
-        (x,) = ctx.saved_tensors
-        return torch.ops.aten.gelu_backward(x_t, x, approximate=ctx.approximate)
 
 
 class LayerNormJvp(torch.autograd.Function):
@@ -442,16 +404,6 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _apply(Conv2dJvp, input, weight, bias, stride, padding, dilation, groups)
 
 
-def relu(input, inplace=False):
-    if inplace:  # torch's in-place rule updates the tangent in place: already lean
-        return NotImplemented
-    return _apply(ReLUJvp, input)
-
-
-def gelu(input, approximate="none"):
-    return _apply(GELUJvp, input, approximate)
-
-
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _apply(LayerNormJvp, input, tuple(normalized_shape), weight, bias, eps)
 
@@ -522,8 +474,6 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
 _RULES = {
     F.linear: linear,
     F.conv2d: conv2d,
-    F.relu: relu, torch.relu: relu, torch.Tensor.relu: relu,
-    F.gelu: gelu,
     F.layer_norm: layer_norm,
     F.softmax: softmax, torch.Tensor.softmax: softmax,
     F.cross_entropy: cross_entropy,
