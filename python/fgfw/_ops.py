@@ -178,11 +178,21 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
 
 
 def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-                gap, backend: str, row_numel=()) -> None:
-    """One fused L1-ball Frank-Wolfe step (see ``reference.l1_fw_step_``) on ``backend``."""
-    args = (list(params), list(momentum), list(grads), schedule, tangent_coeffs, [float(r) for r in radii],
-            bool(global_ball), [int(o) for o in offsets], _int64(int(seed)), int(distribution), gap,
-            [int(n) for n in row_numel])
+                gap, backend: str, row_numel=(), prepared: bool = False) -> None:
+    """One fused L1-ball Frank-Wolfe step (see ``reference.l1_fw_step_``) on ``backend``.
+
+    ``prepared=True``: the arguments already have the op's types (lists of tensors, of Python floats and
+    ints; the seed as int64, see :func:`_int64`) and are passed as they are: the optimizers prepare them
+    once per plan, and converting a row ball's thousands of radii at every step would cost more than a
+    small model's step.
+    """
+    if prepared:
+        args = (params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+                gap, row_numel)
+    else:
+        args = (list(params), list(momentum), list(grads), schedule, tangent_coeffs, [float(r) for r in radii],
+                bool(global_ball), [int(o) for o in offsets], _int64(int(seed)), int(distribution), gap,
+                [int(n) for n in row_numel])
     if backend in ("cpu", "cuda"):
         torch.ops.fgfw.l1_fw_step_(*args)
     elif backend == "triton":
@@ -190,3 +200,13 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
         torch.ops.fgfw_triton.l1_fw_step_(*args)
     else:
         reference.l1_fw_step_(*args)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (see ``reference.all_finite``): the C++ kernel when the
+    tensors are on the CPU (one pass, no temporaries), else the reference's torch ops. Under torch.compile
+    the reference, which dynamo traces (the host read is a graph break either way)."""
+    if (tensors and not torch.compiler.is_compiling() and _has_kernel("all_finite", "CPU")
+            and all(t.device.type == "cpu" for t in tensors)):
+        return torch.ops.fgfw.all_finite(tensors)
+    return reference.all_finite(tensors)

@@ -228,6 +228,16 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     gap.fill_(total_gap)
 
 
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: one isfinite reduction per tensor (nothing is summed,
+    so no finite tensor can overflow, as a float16 norm would above 65504), the verdicts gathered on the
+    first tensor's device, one host synchronisation."""
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
+
+
 def ball_layout(numels: Sequence[int], global_ball: bool, row_numel: Sequence[int] = ()) -> list[tuple[int, int, int]]:
     """The balls of a step as (tensor, first element, length), in the order of their radii.
 
