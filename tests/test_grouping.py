@@ -101,3 +101,84 @@ def test_groups_with_other_schedules_or_a_global_ball_get_calls_of_their_own(op_
     F.cross_entropy(model(x), y).backward()
     opt.step()
     assert sorted(op_calls) == [2, 2, 2]
+
+
+# -- the cached plan: built once, rebuilt when a group changes -------------------------------------------------
+def _stepped(opt, model):
+    x, y = _batch()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+@pytest.fixture
+def plan_builds(monkeypatch):
+    """How many times optimizers build a step's plan."""
+    builds = []
+    original = fgfw.FrankWolfe._build_plan
+
+    def counting(self):
+        builds.append(1)
+        return original(self)
+
+    monkeypatch.setattr(fgfw.FrankWolfe, "_build_plan", counting)
+    return builds
+
+
+def _is_vertex(p: torch.Tensor, radius: float) -> bool:
+    """p = -r sign(d_i) e_i for some i: one nonzero, of magnitude r (what a step with alpha = 1 leaves)."""
+    nonzero = p.detach().reshape(-1).nonzero()
+    return len(nonzero) == 1 and float(p.detach().abs().sum()) == pytest.approx(radius, rel=1e-6)
+
+
+def test_the_plan_is_built_once_and_rebuilt_when_a_hyperparameter_changes(plan_builds):
+    model = _mlp()
+    groups = _groups(model, per_tensor=True)
+    opt = fgfw.FrankWolfe(groups, constraint=fgfw.L1Ball(radius=5.0), step_size=0.1, momentum=0.5)
+    for _ in range(3):
+        _stepped(opt, model)
+    assert len(plan_builds) == 1
+    builds = len(plan_builds)
+    # alpha = 1 replaces each tensor by a vertex of its ball: the new step size is used at once
+    opt.param_groups[2]["step_size"] = 1.0
+    _stepped(opt, model)
+    assert len(plan_builds) == builds + 1
+    assert _is_vertex(opt.param_groups[2]["params"][0], 5.0)
+    assert not _is_vertex(opt.param_groups[0]["params"][0], 5.0)
+
+
+def test_a_radius_changed_in_place_is_used_at_the_next_step():
+    model = _mlp()
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=5.0), step_size=0.01)
+    _stepped(opt, model)
+    opt.param_groups[0]["step_size"] = 1.0
+    opt.param_groups[0]["radii"][2] = 0.25
+    _stepped(opt, model)
+    params = opt.param_groups[0]["params"]
+    assert _is_vertex(params[2], 0.25) and _is_vertex(params[0], 5.0)
+
+
+def test_an_invalid_radius_set_between_steps_raises_and_changes_nothing():
+    model = _mlp()
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=5.0), momentum=0.9)
+    _stepped(opt, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    moms = [opt.state[p]["momentum"].clone() for p in model.parameters()]
+    opt.param_groups[0]["radii"][1] = -1.0
+    with pytest.raises(ValueError, match="param group 0: radii must be finite numbers > 0, got -1.0"):
+        _stepped(opt, model)
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    assert all(torch.equal(opt.state[p]["momentum"], m) for p, m in zip(model.parameters(), moms))
+
+
+def test_row_radii_are_tuples_and_a_new_row_list_is_used():
+    model = _mlp()
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=2.0, scope="row"), step_size=1.0)
+    radii = opt.param_groups[0]["radii"]
+    with pytest.raises(TypeError):  # in place, it would go unseen by the cached plan: refused
+        radii[0][3] = 0.5
+    radii[0] = [0.5] * 16  # a new list of row radii for the first weight
+    _stepped(opt, model)
+    weight = opt.param_groups[0]["params"][0]
+    assert all(_is_vertex(row, 0.5) for row in weight)
+    assert all(_is_vertex(row, 2.0) for row in opt.param_groups[0]["params"][2])

@@ -23,16 +23,6 @@ STATE_KEY = "fgfw"
 ESTIMATORS = ("weight", "activity")
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite: one isfinite reduction per tensor (nothing is summed,
-    so no finite tensor can overflow, as a float16 norm would above 65504), the verdicts gathered on one
-    device, one host synchronisation."""
-    if not tensors:
-        return True
-    device = tensors[0].device
-    return bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
-
-
 def _called_autograd(error: BaseException) -> bool:
     """Whether ``error`` was raised inside ``torch.autograd.backward`` or ``torch.autograd.grad``."""
     tb = error.__traceback__
@@ -44,10 +34,9 @@ def _called_autograd(error: BaseException) -> bool:
     return False
 
 
-def _subset(group: dict, keep: list[bool]) -> dict:
-    """The group restricted to the parameters where ``keep`` is true (with their radii; not for a global ball)."""
-    return dict(group, params=[p for p, k in zip(group["params"], keep) if k],
-                radii=[r for r, k in zip(group["radii"], keep) if k])
+def _row_radii(radii: list) -> list[tuple]:
+    """A row ball's radii as stored in its group: one tuple per tensor, so that none changes in place."""
+    return [tuple(r) for r in radii]
 
 
 def _check_radii(constraint: L1Ball, params: list[torch.Tensor], radii: object, where: str) -> None:
@@ -94,17 +83,40 @@ def _spec_key(spec) -> object:
     return spec if isinstance(spec, (str, int, float)) else ("callable", id(spec))
 
 
-def _radii_without_empty(members, radii: list) -> list:
-    """The radii of a call's balls once its empty tensors are left out: an empty tensor of tensor scope had
-    one radius (row scope: none, it has no rows)."""
-    out, at = [], 0
-    for group, _, _, i in members:
-        p = group["params"][i]
-        count = len(group["radii"][i]) if group["constraint"].scope == "row" else 1
-        if p.numel():
-            out.extend(radii[at:at + count])
-        at += count
-    return out
+class _Call:
+    """One fused op call of a step, prepared once per plan (see _FrankWolfeBase._prepared): which tensors it
+    steps and with what constants. Only the gradients, the schedule and the gap are made per step."""
+
+    __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
+                 "radii", "starts", "row_numel", "halves", "zero_grads")
+
+    def __init__(self, device, dtype, backend, momentum, global_ball, group):
+        self.device, self.dtype, self.backend = device, dtype, backend
+        self.momentum, self.global_ball, self.group = momentum, global_ball, group  # group: its schedules
+        self.params: list[torch.Tensor] = []   # the parameters, whose gradients are read
+        # what the op steps: the parameter, or its float32 master copy (None until the first step, _make_state)
+        self.targets: list[torch.Tensor] | None = None
+        self.moms: list[torch.Tensor] = []
+        self.radii: list[float] = []
+        self.starts: list[int] = []
+        self.row_numel: list[int] = []
+        self.halves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # a global ball's parameters without a gradient: a zero gradient (its update scales every parameter)
+        self.zero_grads: dict[int, torch.Tensor] = {}
+
+
+class _Plan:
+    """What a step does that does not change from step to step: the fused calls, and (forward-gradient
+    optimizers) the parameters that get tangents with their places in the tangent stream."""
+
+    __slots__ = ("key", "calls", "stream_params", "offsets", "tangent_backends", "no_coeffs")
+
+    def __init__(self, key, calls, stream_params, offsets, tangent_backends):
+        self.key, self.calls, self.stream_params, self.offsets = key, calls, stream_params, offsets
+        # the tangents on a device are drawn by the backend of the first group there (one named for another
+        # device's group may not run on this one); the update of each group regenerates them with its own
+        self.tangent_backends = tangent_backends
+        self.no_coeffs: dict[torch.device, torch.Tensor] = {}  # the gradient path's empty tangent_coeffs
 
 
 class _FrankWolfeBase(torch.optim.Optimizer):
@@ -127,6 +139,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         # optimizer made inside a compiled step, but keeps the mutations of a container it holds.
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
+        self._plan_cache: _Plan | None = None  # see _prepared
         defaults = dict(defaults, constraint=constraint, backend=backend)
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -195,8 +208,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if params:
             _ops.resolve_backend(group["backend"], next(iter(devices)))  # fail now, not at the first step
         group.setdefault("radii", constraint.resolve_radii(params))
+        if constraint.scope == "row":
+            group["radii"] = _row_radii(group["radii"])
         constraint.make_feasible_(params, group["radii"])
         super().add_param_group(group)
+        self._plan_cache = None
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         schedules.check_schedule(group["step_size"], "step_size")
@@ -280,6 +296,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 raise ValueError(f"{where} has a global ball, which cannot mix float64 with other params, got "
                                  f"{sorted(map(str, {p.dtype for p in params}))}")
             _check_radii(constraint, params, saved["radii"], where)
+            if constraint.scope == "row":
+                new["radii"] = _row_radii(saved["radii"])
             groups.append(new)
         return groups
 
@@ -342,6 +360,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
         self._load_extra_state(extra)
+        self._plan_cache = None  # new state tensors
 
     # -- the update ---------------------------------------------------------------------------------------------
     def _master(self, p: torch.Tensor) -> torch.Tensor:
@@ -359,38 +378,145 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             state["master"] = p.detach().to(torch.float32)
         return state["master"]
 
-    def _plan(self, k: torch.Tensor) -> list[tuple[dict, float | torch.Tensor, float | torch.Tensor]]:
-        """(group, alpha_k, gamma_k) for every group, evaluated before anything is modified.
+    # -- the plan of a step -------------------------------------------------------------------------------------
+    # A step's plan (which fused calls, over which tensors, with which radii, row lengths and stream offsets)
+    # depends only on the param groups, their hyperparameters and which parameters take part; it is built
+    # once and kept until one of those changes (_plan_key is read at every step and compared), so that a step
+    # runs no per-tensor Python work beyond reading the gradients.
+    _uses_tangent_stream = False  # the forward-gradient optimizers: tensors get places in the tangent stream
 
-        k is the step counter tensor; named schedules come out as float64 tensors (schedules.evaluate).
-        """
-        k = k.to(torch.float64)  # on the counter's device: named schedules stay there (schedules.evaluate)
-        plan = []
+    def _takes_part(self, group: dict) -> list[bool]:
+        """Which parameters of ``group`` this step updates: all but those frozen since construction."""
+        return [p.requires_grad for p in group["params"]]
+
+    def _plan_key(self) -> list:
+        """What the plan is built from: compared with the cached plan's key at every step. Radii are copied
+        (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan)."""
+        key: list = [id(self.state), len(self.state)]  # state replaced or cleared: momentum tensors made anew
         for group in self.param_groups:
-            alpha = schedules.evaluate(group["step_size"], k, "step_size")
-            gamma = self._averaging_weight(group, k)
-            plan.append((group, alpha, gamma))
+            constraint = group["constraint"]
+            key.append((id(group), tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
+                        self._schedule_key(group), list(group["radii"]), tuple(self._takes_part(group))))
+        return key
+
+    def _prepared(self) -> _Plan:
+        """The plan of this step: the cached one unless the groups changed since it was built."""
+        plan = self._plan_cache
+        if plan is None or plan.key != self._plan_key():
+            plan = self._plan_cache = self._build_plan()
         return plan
 
-    def _without_frozen(self, plan):
-        """The plan without the parameters frozen (``requires_grad=False``) since construction: left out of
-        per-tensor and row balls; a global ball, whose update scales all its parameters together, raises
-        ``ValueError`` (before anything is modified)."""
+    def _build_plan(self) -> _Plan:
+        """Checks the groups again (their hyperparameters may have been changed since the last step) and groups
+        their parameters into fused calls: one per (device, compute dtype, backend, momentum, schedule).
+        Param groups that differ only in radius or scope (per-layer radii, row balls here and tensor balls
+        there) share a call, since radii and row lengths travel per ball and per tensor. A global ball is one
+        ball over its group: a call of its own. float16/bfloat16 parameters step through their float32
+        master copies (_HALF_DTYPES), beside the float32 parameters."""
+        stream_params, offsets, start = [], {}, 0
+        if self._uses_tangent_stream:
+            # each tensor starts at a multiple of 4, the start of a Philox call, so that the kernels can draw
+            # one call per 4 aligned elements of every tensor (vectorised loads and stores); a frozen tensor
+            # keeps its place (its share goes unused), so freezing one does not move the others' tangents
+            for group in self.param_groups:
+                for p in group["params"]:
+                    offsets[id(p)] = start
+                    start += -(-p.numel() // 4) * 4
+                    if p.requires_grad:
+                        stream_params.append(p)
+        calls: dict[tuple, _Call] = {}
+        tangent_backends: dict[torch.device, str] = {}
+        for g, group in enumerate(self.param_groups):
+            params, constraint = group["params"], group["constraint"]
+            self._check_group_hyperparameters(group)
+            _check_radii(constraint, params, group["radii"], f"param group {g}")
+            if constraint.scope == "row":  # a row radius changed in place would go unseen (see _plan_key)
+                group["radii"][:] = _row_radii(group["radii"])
+            takes_part = self._takes_part(group)
+            if constraint.global_ball and not all(p.requires_grad for p in params):
+                frozen = [_describe(i, p) for i, p in enumerate(params) if not p.requires_grad]
+                raise ValueError(f"{', '.join(frozen)} of a param group with a global L1 ball has requires_grad="
+                                 f"False (frozen after the optimizer was created): a global ball scales all its "
+                                 f"parameters together, so it cannot leave one out; create the optimizer again "
+                                 f"after freezing (frozen parameters are left out at construction)")
+            if not params:
+                continue
+            device = params[0].device
+            momentum = self._uses_momentum(group)
+            tangent_backends.setdefault(device, _ops.resolve_backend(group["backend"], device))
+            shared = (_ops.resolve_backend(group["backend"], device), momentum,
+                      id(group) if constraint.global_ball else None, self._schedule_key(group))
+            for i, p in enumerate(params):
+                # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
+                if not takes_part[i] or not p.numel():
+                    continue
+                dtype = reference.compute_dtype(p.dtype)
+                call = calls.get((device, dtype, *shared))
+                if call is None:
+                    call = calls[(device, dtype, *shared)] = _Call(device, dtype, shared[0], momentum,
+                                                                     constraint.global_ball, group)
+                    if constraint.global_ball:
+                        call.radii = [float(r) for r in group["radii"]]
+                if constraint.global_ball and self._missing_gradient(p):
+                    call.zero_grads[len(call.params)] = torch.zeros_like(p, dtype=dtype)
+                call.params.append(p)
+                call.starts.append(offsets.get(id(p), 0))
+                # rows of a matrix are its balls (L1Ball.rows); a tensor below 2-D is one ball
+                call.row_numel.append(math.prod(p.shape[1:]) if constraint.scope == "row" and p.dim() >= 2 else 0)
+                if constraint.scope == "row":
+                    call.radii.extend(map(float, group["radii"][i]))
+                elif not constraint.global_ball:
+                    call.radii.append(float(group["radii"][i]))
+        for call in calls.values():
+            if not any(call.row_numel):
+                call.row_numel = []
+        return _Plan(self._plan_key(), list(calls.values()), stream_params, offsets, tangent_backends)
+
+    def _make_state(self, call: _Call) -> None:
+        """The call's momentum and float32 master copies, made at its first step (not when the plan is built:
+        a step that fails before the update leaves no state behind)."""
+        call.targets = [self._master(p) if p.dtype in _HALF_DTYPES else p for p in call.params]
+        call.halves = [(p, self._master(p)) for p in call.params if p.dtype in _HALF_DTYPES]
+        if call.momentum:
+            for p in call.params:
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p, dtype=call.dtype)
+                call.moms.append(state["momentum"])
+
+    def _missing_gradient(self, p: torch.Tensor) -> bool:
+        """Whether p has no gradient to read (FrankWolfe: ``p.grad is None``); a global ball then reads zeros."""
+        return False
+
+    def _schedules(self, plan: _Plan, k: torch.Tensor) -> list[torch.Tensor]:
+        """Each call's (k, alpha_k, gamma_k), a float64 tensor on its device, evaluated before anything is
+        modified (a callable schedule out of [0, 1] raises ``ValueError``), once per distinct schedule.
+
+        On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
+        GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
+        no host-to-device copy nor synchronisation, so that a step can be captured. Both give the same bits
+        (the named schedules are correctly rounded either way)."""
+        host_k = int(k) if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
+        device_k = None
+        made: dict[tuple, torch.Tensor] = {}
         out = []
-        for group, alpha, gamma in plan:
-            keep = [p.requires_grad for p in group["params"]]
-            if not all(keep):
-                if group["constraint"].global_ball:
-                    frozen = [_describe(i, p) for i, p in enumerate(group["params"]) if not p.requires_grad]
-                    raise ValueError(f"{', '.join(frozen)} of a param group with a global L1 ball has requires_grad="
-                                     f"False (frozen after the optimizer was created): a global ball scales all its "
-                                     f"parameters together, so it cannot leave one out; create the optimizer again "
-                                     f"after freezing (frozen parameters are left out at construction)")
-                group = _subset(group, keep)
-            out.append((group, alpha, gamma))
+        for call in plan.calls:
+            group = call.group
+            memo = (call.device, self._schedule_key(group))
+            if memo not in made:
+                if host_k is not None and call.device.type == "cpu":
+                    made[memo] = torch.tensor([host_k, schedules.evaluate(group["step_size"], host_k, "step_size"),
+                                               self._averaging_weight(group, host_k)], dtype=torch.float64)
+                else:
+                    if device_k is None:
+                        device_k = k.to(torch.float64)  # named schedules stay on the counter's device
+                    values = (device_k, schedules.evaluate(group["step_size"], device_k, "step_size"),
+                              self._averaging_weight(group, device_k))
+                    made[memo] = torch.stack([_device_scalar(x, call.device) for x in values])
+            out.append(made[memo])
         return out
 
-    def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
+    def _averaging_weight(self, group: dict, k: int | torch.Tensor) -> float | torch.Tensor:
         return 0.0
 
     def _uses_momentum(self, group: dict) -> bool:
@@ -401,83 +527,48 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         fused call (their alpha_k and gamma_k are the same)."""
         return (_spec_key(group["step_size"]),)
 
-    def _apply(self, plan, k: torch.Tensor, *, grads_of: Callable[[torch.Tensor], torch.Tensor | None] | None,
-               tangent_coeffs: torch.Tensor | None, offsets: dict[int, int], seed: int, distribution: int) -> None:
-        # One fused call per (device, compute dtype, backend, momentum, schedule): param groups that differ only
-        # in radius or scope (per-layer radii, row balls here and tensor balls there) share it, since radii and
-        # row lengths travel per ball and per tensor. A global ball is one ball over its group: a call of its
-        # own. float16/bfloat16 parameters step through their float32 master copies (_HALF_DTYPES), beside the
-        # float32 parameters.
-        calls: dict[tuple, list] = {}
-        for group, alpha, gamma in plan:
-            params = group["params"]
-            if not params:
-                continue
-            device = params[0].device
-            # everything but the dtype is the group's: computed once per group, not per tensor
-            shared = (_ops.resolve_backend(group["backend"], device), self._uses_momentum(group),
-                      id(group) if group["constraint"].global_ball else None, self._schedule_key(group))
-            for i, p in enumerate(params):
-                calls.setdefault((device, reference.compute_dtype(p.dtype), *shared), []).append(
-                    (group, alpha, gamma, i))
-        coeffs_on = {}
+    @staticmethod
+    def _gradients(plan: _Plan, grads_of: Callable[[torch.Tensor], torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """Each call's gradients as the op takes them: in its compute dtype (the masters' for halves), dense and
+        contiguous (the kernels walk them as flat memory in the parameter's order: a non-contiguous one is
+        copied), zeros where a global ball's parameter has none. Gathered for every call before any runs."""
+        out = []
+        for call in plan.calls:
+            grads = [grads_of(p) for p in call.params]
+            for t, zeros in call.zero_grads.items():
+                grads[t] = zeros
+            dtype = call.dtype
+            if not all([g.layout == torch.strided and g.dtype == dtype and g.is_contiguous() for g in grads]):
+                for t, (p, g) in enumerate(zip(call.params, grads)):
+                    if g.layout != torch.strided:
+                        raise TypeError(f"Frank-Wolfe does not support sparse gradients (parameter of shape "
+                                        f"{tuple(p.shape)}, gradient layout {g.layout})")
+                    grads[t] = g.to(dtype).contiguous()
+            out.append(grads)
+        return out
+
+    def _apply(self, plan: _Plan, schedule: list[torch.Tensor], k: torch.Tensor, *,
+               grads: list[list[torch.Tensor]] | None, tangent_coeffs: torch.Tensor | None, seed: int,
+               distribution: int) -> None:
+        """The fused calls of the plan: the update itself (everything was checked before)."""
+        coeffs_on = {} if tangent_coeffs is not None else plan.no_coeffs
         gaps = []
-        for (device, dtype, backend, momentum, own_call, _), members in calls.items():
-            _, alpha, gamma, _ = members[0]
-            # (k, alpha_k, gamma_k) made on the device: no host-to-device copy, so a step can be captured
-            schedule = torch.stack([_device_scalar(x, device) for x in (k, alpha, gamma)])
+        seed = _ops._int64(int(seed))
+        for c, call in enumerate(plan.calls):
+            device = call.device
             if device not in coeffs_on:
                 coeffs_on[device] = (tangent_coeffs.to(device) if tangent_coeffs is not None
                                      else torch.zeros(0, dtype=torch.float64, device=device))
-            global_ball = own_call is not None
-            ps, grads, moms, radii, starts, row_numel, halves = [], [], [], [], [], [], []
-            for group, _, _, i in members:
-                p = group["params"][i]
-                if grads_of is not None:
-                    g = grads_of(p)
-                    if g is None and not global_ball:
-                        raise AssertionError("parameters without gradients are filtered before _apply")
-                    # a global ball scales every parameter: a missing gradient is a zero gradient. The kernels
-                    # walk a gradient as flat memory in the parameter's order: a non-contiguous one is copied;
-                    # the op takes the gradients in the dtype of the tensors it steps (the masters' for halves).
-                    if g is None:
-                        g = torch.zeros_like(p, dtype=dtype)
-                    elif g.dtype != dtype or not g.is_contiguous():
-                        g = g.to(dtype).contiguous()
-                    grads.append(g)
-                if momentum:
-                    state = self.state[p]
-                    if "momentum" not in state:
-                        state["momentum"] = torch.zeros_like(p, dtype=dtype)
-                    moms.append(state["momentum"])
-                if p.dtype in _HALF_DTYPES:
-                    halves.append((p, self._master(p)))
-                ps.append(self.state[p]["master"] if p.dtype in _HALF_DTYPES else p)
-                starts.append(offsets.get(id(p), 0))
-                scope = group["constraint"].scope
-                if scope == "row":
-                    # rows of a matrix are its balls (L1Ball.rows); a tensor below 2-D is one ball
-                    row_numel.append(math.prod(p.shape[1:]) if p.dim() >= 2 else 0)
-                    radii.extend(group["radii"][i])
-                else:
-                    row_numel.append(0)
-                    if not global_ball:
-                        radii.append(group["radii"][i])
-            if global_ball:
-                radii = list(members[0][0]["radii"])
-            # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
-            if any(not p.numel() for p in ps):
-                keep = [t for t, p in enumerate(ps) if p.numel()]
-                ps, grads, moms, starts, row_numel = ([xs[t] for t in keep] if xs else xs
-                                                      for xs in (ps, grads, moms, starts, row_numel))
-                if not global_ball:
-                    radii = _radii_without_empty(members, radii)
-            gap = torch.zeros((), dtype=torch.float64, device=device)
-            _ops.l1_fw_step_(ps, moms, grads, schedule, coeffs_on[device], radii, global_ball, starts, seed,
-                             distribution, gap, backend=backend, row_numel=row_numel if any(row_numel) else [])
-            if halves:
+            if call.targets is None:
+                self._make_state(call)
+                plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
+            gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
+            _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
+                             coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
+                             backend=call.backend, row_numel=call.row_numel, prepared=True)
+            if call.halves:
                 # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
-                torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])
+                torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])
             gaps.append(gap)
         # summed where the first call's device is: no host synchronisation
         self.last_gap = None
@@ -530,6 +621,20 @@ class FrankWolfe(_FrankWolfeBase):
     def _uses_momentum(self, group: dict) -> bool:
         return bool(group["momentum"])
 
+    def _takes_part(self, group: dict) -> list[bool]:
+        # a parameter without a gradient is skipped, but a global ball steps all its parameters (reading zeros)
+        if group["constraint"].global_ball:
+            return [p.requires_grad for p in group["params"]]
+        return [p.requires_grad and p.grad is not None for p in group["params"]]
+
+    def _plan_key(self) -> list:
+        # which parameters of a global ball read zeros (_build_plan keeps a zero tensor for each)
+        return super()._plan_key() + [tuple(p.grad is None for group in self.param_groups
+                                            if group["constraint"].global_ball for p in group["params"])]
+
+    def _missing_gradient(self, p: torch.Tensor) -> bool:
+        return p.grad is None
+
     def _schedule_key(self, group: dict) -> tuple:
         return (_spec_key(group["step_size"]), group["momentum"] or 0.0)
 
@@ -544,21 +649,13 @@ class FrankWolfe(_FrankWolfeBase):
             with torch.enable_grad():
                 loss = closure()
         k = self._step_count_k + 1
-        plan = []
-        for group, alpha, gamma in self._without_frozen(self._plan(k)):
-            for p in group["params"]:
-                if p.grad is not None and p.grad.layout != torch.strided:
-                    raise TypeError(f"FrankWolfe does not support sparse gradients (parameter of shape "
-                                    f"{tuple(p.shape)}, gradient layout {p.grad.layout})")
-            if not group["constraint"].global_ball:
-                group = _subset(group, [p.grad is not None for p in group["params"]])
-            plan.append((group, alpha, gamma))
-        if self.check_finite:
-            grads = [p.grad for group, _, _ in plan for p in group["params"] if p.grad is not None]
-            if grads and not _all_finite(grads):
-                raise ValueError(f"a gradient is not finite at step k={int(k)}; parameters and optimizer state were "
-                                 f"left unchanged (pass check_finite=False to skip this check)")
-        self._apply(plan, k, grads_of=lambda p: p.grad, tangent_coeffs=None, offsets={}, seed=0, distribution=0)
+        plan = self._prepared()
+        schedule = self._schedules(plan, k)
+        grads = self._gradients(plan, lambda p: p.grad)
+        if self.check_finite and not _ops.all_finite([g for call_grads in grads for g in call_grads]):
+            raise ValueError(f"a gradient is not finite at step k={int(k)}; parameters and optimizer state were "
+                             f"left unchanged (pass check_finite=False to skip this check)")
+        self._apply(plan, schedule, k, grads=grads, tangent_coeffs=None, seed=0, distribution=0)
         return loss
 
 
@@ -613,6 +710,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if estimator == "activity":
             activity.linear_owners(module, [p for g in self.param_groups for p in g["params"]])
 
+    _uses_tangent_stream = True
+
     def _param_name(self, p: torch.Tensor) -> str | None:
         return next((name for name, q in self.module.named_parameters() if q is p), None)
 
@@ -665,19 +764,6 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                     f"(for backprop gradients use fgfw.FrankWolfe)") from err
         return guarded
 
-    def _stream_offsets(self) -> tuple[list[torch.Tensor], dict[int, int]]:
-        """All parameters in order and each one's first index in the tangent stream.
-
-        Each tensor starts at a multiple of 4, the start of a Philox call, so that the kernels can draw one
-        call per 4 aligned elements of every tensor (vectorised loads and stores).
-        """
-        params = [p for g in self.param_groups for p in g["params"]]
-        offsets, start = {}, 0
-        for p in params:
-            offsets[id(p)] = start
-            start += -(-p.numel() // 4) * 4
-        return params, offsets
-
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """One step: ``num_tangents`` forward-mode passes of ``closure``, then the fused Frank-Wolfe update.
@@ -698,31 +784,21 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                             f"no loss.backward()); got {got}")
         closure = self._guarded(closure)
         k = self._step_count_k + 1
-        plan = self._without_frozen(self._plan(k))
-        params, offsets = self._stream_offsets()
-        params = [p for p in params if p.requires_grad]  # offsets stay: a frozen tensor's share goes unused
+        plan = self._prepared()
+        schedule = self._schedules(plan, k)
+        params, offsets = plan.stream_params, plan.offsets
         distribution = reference.DISTRIBUTIONS[self.tangent]
-        # the tangents on a device are drawn by the backend of the first group there (one named for another
-        # device's group may not run on this one); the update of each group regenerates them with its own
-        backend_names: dict[torch.device, str | None] = {}
-        for group in self.param_groups:
-            for p in group["params"][:1]:
-                backend_names.setdefault(p.device, group["backend"])
-        backends = {}
 
         def fill(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
             """``out`` filled with tangent ``tangent_id`` of step k from ``offset`` of the stream."""
-            if out.device not in backends:
-                backends[out.device] = _ops.resolve_backend(
-                    backend_names.get(out.device, self.param_groups[0]["backend"]), out.device)
             return _ops.fill_tangent_(out, self.seed, k.to(out.device), tangent_id, offset, distribution,
-                                      backends[out.device])
+                                      plan.tangent_backends[out.device])
 
         def tangent_maker(tangent_id: int):
             return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
 
         if self.estimator == "activity":
-            return self._activity_step(plan, k, params, closure, fill)
+            return self._activity_step(plan, schedule, k, params, closure, fill)
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and self.num_tangents > 1:
             makers = [tangent_maker(t) for t in range(self.num_tangents)]
@@ -741,21 +817,22 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
                              f"(values {coeffs.tolist()}, loss {float(loss)}); parameters and optimizer state were left "
                              f"unchanged (check the closure and step size, or pass check_finite=False)")
-        self._apply(plan, k, grads_of=None, tangent_coeffs=coeffs / self.num_tangents, offsets=offsets,
-                    seed=self.seed, distribution=distribution)
+        self._apply(plan, schedule, k, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
+                    distribution=distribution)
         return loss
 
-    def _activity_step(self, plan, k: torch.Tensor, params: list[torch.Tensor], closure, fill):
+    def _activity_step(self, plan: _Plan, schedule: list[torch.Tensor], k: torch.Tensor, params: list[torch.Tensor],
+                       closure, fill):
         """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
         step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
         loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
                                                   self.tangents_in_one_pass, self.recompute_inputs)
-        if self.check_finite and not _all_finite(list(grads.values())):
+        if self.check_finite and not _ops.all_finite(list(grads.values())):
             raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
                              f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
                              f"and step size, or pass check_finite=False)")
-        self._apply(plan, k, grads_of=lambda p: grads[id(p)], tangent_coeffs=None, offsets={}, seed=0,
-                    distribution=0)
+        self._apply(plan, schedule, k, grads=self._gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
+                    seed=0, distribution=0)
         return loss
 
 
