@@ -27,7 +27,7 @@ everything else. The one-tangent engine runs a rule's ``forward``, ``setup_conte
 on the primals and tangents (:func:`_apply`): ``Function.apply``'s per-call machinery costs more than a
 small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 
-* ``F.linear`` (``nn.Linear``): none (``addmm`` then ``addmm_`` into the tangent).
+* ``F.linear`` (``nn.Linear``): none (``F.linear`` of the weight tangent, then ``addmm_`` into it).
 * ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
   batch chunk).
 * ``F.layer_norm``: the normalised input ``x_hat`` (row statistics by batched dot products, no
