@@ -182,3 +182,54 @@ def test_the_session_summary_names_the_backends(tmp_path):
     assert "cuda kernels registered: " in line and "triton: " in line and "GPU: " in line
     if not torch.cuda.is_available():
         assert line.endswith("GPU: none")
+
+
+# -- an extension built for another torch ------------------------------------------------------------------------
+class _Built:
+    def __init__(self, torch_version: str, cuda_version: str = ""):
+        self.TORCH_VERSION, self.CUDA_VERSION = torch_version, cuda_version
+
+
+@pytest.mark.parametrize("built, running, cuda, refused", [
+    (_Built("2.14.1+cu130", "13.0"), "2.14.1+cu130", "13.0", ""),
+    (_Built("2.14.1"), "2.14.1+cpu", None, ""),  # local labels do not count
+    (_Built("2.14.1+cu130", "13.0"), "2.14.0+cu130", "13.0", "built for torch 2.14.1, this process has torch 2.14.0"),
+    (_Built("2.14.1+cu130", "13.0"), "2.14.1+cpu", None, "has CUDA kernels (built with CUDA 13.0)"),
+    (None, "2.14.1", None, ""),  # a source tree never built: nothing to compare
+])
+def test_build_mismatch_says_which_torch_and_what_to_install(built, running, cuda, refused):
+    reason = _ops.build_mismatch(running, cuda, built)
+    assert (reason == "") == (refused == "")
+    assert refused in reason
+    if refused.startswith("built for"):
+        assert "pip install --no-build-isolation ." in reason and "+torch2.14.0" in reason
+
+
+def test_the_build_records_the_torch_it_was_built_against():
+    if not fgfw.HAS_COMPILED_EXTENSION:
+        pytest.skip(f"fgfw._C is not loaded: {_ops.extension_import_error()!r}")
+    from fgfw import _build_info
+    assert _build_info.TORCH_VERSION.split("+")[0] == torch.__version__.split("+")[0]
+    has_cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CUDA")
+    assert (_build_info.CUDA_VERSION != "") == has_cuda_kernels
+
+
+def test_an_extension_built_for_another_torch_is_not_loaded_and_says_why(tmp_path):
+    other_torch = """
+import sys, types
+built = types.ModuleType("fgfw._build_info")
+built.TORCH_VERSION, built.CUDA_VERSION = "2.0.0", ""
+sys.modules["fgfw._build_info"] = built
+"""
+    result = _python("""
+        import sys
+        import fgfw
+        assert not fgfw.HAS_COMPILED_EXTENSION and "fgfw._C" not in sys.modules  # never loaded
+        assert fgfw.resolve_backend(None, "cpu") == "torch"
+        try:
+            fgfw.resolve_backend("cpu", "cpu")
+        except ValueError as err:
+            print(err)
+        """, _environment(tmp_path, other_torch))
+    assert result.returncode == 0, result.stderr
+    assert "fgfw._C was built for torch 2.0.0, this process has torch" in result.stdout

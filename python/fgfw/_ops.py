@@ -30,9 +30,37 @@ _extension_error: ImportError | None = None
 _extension_module = None
 
 
+class ExtensionBuildMismatch(ImportError):
+    """fgfw._C was built against another torch (or with CUDA kernels for a torch without CUDA)."""
+
+
+def build_mismatch(torch_version: str, cuda_version: str | None, built: object) -> str:
+    """Why an extension built as ``built`` (the generated module fgfw._build_info) cannot load into a torch
+    of ``torch_version`` / ``cuda_version``, or '' when it can. Versions compare without local labels
+    (2.14.1+cu130 is 2.14.1): the C++ ABI follows the release."""
+    wanted = getattr(built, "TORCH_VERSION", "").split("+")[0]
+    if wanted and wanted != torch_version.split("+")[0]:
+        return (f"fgfw._C was built for torch {wanted}, this process has torch {torch_version}: install the fgfw "
+                f"built for torch {torch_version.split('+')[0]} (a wheel whose version ends in "
+                f"+torch{torch_version.split('+')[0]}...), or build it from source against this torch with: "
+                f"pip install --no-build-isolation .")
+    if getattr(built, "CUDA_VERSION", "") and not cuda_version:
+        return (f"fgfw._C has CUDA kernels (built with CUDA {built.CUDA_VERSION}), this torch {torch_version} is a "
+                f"CPU-only build: install the CPU wheel of fgfw, or build from source with FGFW_CUDA=OFF")
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_extension() -> bool:
     global _extension_error, _extension_module
+    try:
+        from . import _build_info  # generated at build time: absent in a source tree that was never built
+    except ImportError:
+        _build_info = None
+    mismatch = build_mismatch(torch.__version__, torch.version.cuda, _build_info)
+    if mismatch:
+        _extension_error = ExtensionBuildMismatch(mismatch)
+        return False
     try:
         from . import _C  # (loaded for its side effect: registering the fgfw ops)
     except ImportError as err:
@@ -69,6 +97,8 @@ def _extension_problem(backend: str) -> str:
     if extension_not_built(err):
         return (f"fgfw._C is not built ({type(err).__name__}: {err}); build it with: "
                 f"pip install --no-build-isolation .")
+    if isinstance(err, ExtensionBuildMismatch):
+        return str(err)
     return (f"fgfw._C failed to import ({type(err).__name__}: {err}); rebuild it against the torch in use "
             f"({torch.__version__}) with: pip install --no-build-isolation .")
 
