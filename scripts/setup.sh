@@ -10,5 +10,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.14.1" numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" \
   pytest hypothesis scikit-learn matplotlib tqdm
-# --no-build-isolation: build against the torch just installed (BUILD-NOTES: isolation pulls a second torch)
+# --no-build-isolation: build against the torch just installed (an isolated build would install a second
+# torch, 5.5 GB, and could compile against another version than the one that loads the extension)
 .venv/bin/python -m pip install -q --no-build-isolation ${FGFW_EDITABLE:+-e} . 
