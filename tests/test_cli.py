@@ -2,6 +2,8 @@
 import csv
 import json
 import math
+import re
+import sys
 
 import pytest
 
@@ -87,13 +89,90 @@ def test_paper_preset_uses_the_papers_settings(tmp_path):
     assert all(int(r["zeros"]) > 500 for r in final if r["method"] == "afgfw")
 
 
-def test_demo_still_runs(tmp_path):
-    cli.main(["demo", "--epochs", "1", "--out", str(tmp_path)])
+DEMO_EPOCH_LINE = re.compile(r"^(\w+) +epoch +(\d+)/(\d+)  loss (\S+)  test acc +(\S+)%  +(\S+)s$")
+
+
+def test_demo_prints_a_line_per_epoch_and_writes_its_files(tmp_path, capsys, monkeypatch):
+    import torch
+
+    threads, set_num_threads, before = [], torch.set_num_threads, torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads.append(n), set_num_threads(n)))
+    try:
+        cli.main(["demo", "--epochs", "2", "--out", str(tmp_path)])
+    finally:
+        set_num_threads(before)
+    assert threads == [1]  # one thread by default, as reproduce
+    printed = capsys.readouterr().out
+    assert "1 CPU thread(s)" in printed.splitlines()[0]
+    progress = [m.groups() for m in map(DEMO_EPOCH_LINE.match, printed.splitlines()) if m]
+    assert [(m, int(e)) for m, e, *_ in progress] == [(m.upper(), e) for m in cli.DEMO_METHODS for e in (1, 2)]
     for method in cli.DEMO_METHODS:
         rows = read_csv(tmp_path / f"{method}.csv")
-        assert [r["epoch"] for r in rows] == ["0", "1"]
+        assert [r["epoch"] for r in rows] == ["0", "1", "2"]
+        # each line shows that epoch's record: loss, accuracy and training time so far
+        for (_, epoch, total, loss, acc, elapsed), row in zip([p for p in progress if p[0] == method.upper()],
+                                                              rows[1:]):
+            assert total == "2" and epoch == row["epoch"]
+            # (as printed: rounded to the last digit shown)
+            assert float(loss) == pytest.approx(float(row["train_loss"]), abs=5.1e-5)
+            assert float(acc) == pytest.approx(100 * float(row["test_accuracy"]), abs=5.1e-3)
+            assert float(elapsed) == pytest.approx(float(row["wall_time_s"]), abs=0.051)
     assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
     assert {r["method"] for r in json.loads((tmp_path / "summary.json").read_text())} == set(cli.DEMO_METHODS)
+
+
+def test_demo_help_gives_a_description_and_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Trains the paper's network shape" in text and "'demo' extra" in text
+    for default in ("(default 30)", "(default 64)", "(default 0)", "(default 1:", "(default results/demo)"):
+        assert default in text
+
+
+def test_engine_help_lists_the_engines_and_refuses_others(capsys):
+    from fgfw.forward_grad import DEFAULT_ENGINE, ENGINES
+
+    with pytest.raises(SystemExit):
+        cli.main(["reproduce", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"--engine {{{','.join(sorted(ENGINES))}}}" in text and f"(default: {DEFAULT_ENGINE};" in text
+    code, err = _usage_error(capsys, ["reproduce", "--engine", "backprop"])
+    assert code == 2 and "argument --engine: invalid choice: 'backprop'" in err
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("training started although a package it needs is missing")
+
+
+@pytest.mark.parametrize("command,module,name", [("demo", "matplotlib", "matplotlib"),
+                                                 ("demo", "sklearn", "scikit-learn"),
+                                                 ("reproduce", "matplotlib", "matplotlib"),
+                                                 ("reproduce", "sklearn", "scikit-learn")])
+def test_a_missing_optional_package_stops_before_training(command, module, name, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails and find_spec finds nothing: as if not installed
+    monkeypatch.setattr(cli, "train", _no_training)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--epochs", "1", "--out", str(out)])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # nothing loaded, printed or written
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fgfw {command}: error: missing {name} (for ")
+    assert "'demo' extra" in lines[0] and "'.[demo]'" in lines[0] and "Traceback" not in captured.err
+
+
+def test_scikit_learn_is_needed_for_the_digits_only(tmp_path, capsys, monkeypatch):
+    """MNIST from a folder needs no scikit-learn: the run goes on to the data (here: no files, its own error)."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    data = tmp_path / "mnist"
+    data.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["reproduce", "--data", str(data), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "scikit-learn" not in err and str(data) in err
 
 
 def test_bad_data_path_and_options_are_reported(tmp_path, capsys):

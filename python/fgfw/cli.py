@@ -1,7 +1,8 @@
-"""Command line: ``fgfw demo`` and ``fgfw reproduce`` (also ``python -m fgfw ...``)."""
+"""Command line: ``fgfw demo``, ``fgfw reproduce`` and ``fgfw info`` (also ``python -m fgfw ...``)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -10,7 +11,9 @@ import warnings
 
 import torch
 
+from . import info
 from .experiments import METHODS, PRESETS, RunConfig, config_from_preset, summarize, train, write_csv
+from .forward_grad import DEFAULT_ENGINE, ENGINES
 from .models import paper_mlp
 from .optim import ESTIMATORS
 
@@ -94,12 +97,20 @@ def _plot_curves(path: str, summary: dict[str, list[dict]], title: str) -> None:
 def demo(args: argparse.Namespace) -> None:
     from .data import digits_split
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     _make_out(args.out)
     train_data, test_data = digits_split()
     histories, table = {}, []
     print(f"digits: {len(train_data[1])} train / {len(test_data[1])} test images (8x8); model 64-10-10-10-10-10 "
           f"(1,090 parameters); {args.epochs} epochs, batch {args.batch_size}, seed {args.seed}, backend "
-          f"{args.backend or 'auto'}")
+          f"{args.backend or 'auto'}, {torch.get_num_threads()} CPU thread(s)", flush=True)
+
+    def epoch_line(row: dict) -> None:
+        print(f"{row['method'].upper():<6} epoch {row['epoch']:>{len(str(args.epochs))}}/{args.epochs}  loss "
+              f"{row['train_loss']:.4f}  test acc {100 * row['test_accuracy']:6.2f}%  {row['wall_time_s']:6.1f}s",
+              flush=True)
+
     for method in DEMO_METHODS:
         cfg = config_from_preset(method, "tuned", epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
                                  backend=args.backend)
@@ -109,7 +120,7 @@ def demo(args: argparse.Namespace) -> None:
             warnings.simplefilter("ignore", UserWarning)
             # torch's own notice when forward AD first loads its decompositions; nothing for a demo user to do
             warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=FutureWarning)
-            rows = train(cfg, model, train_data, test_data)
+            rows = train(cfg, model, train_data, test_data, on_epoch=epoch_line)
         histories[method] = rows
         _write_history(args.out, method, rows)
         last = rows[-1]
@@ -287,7 +298,8 @@ def _check_device(parser: argparse.ArgumentParser, text: str) -> None:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checks the option types cannot make (they need the file system or the machine), before any run."""
-    _check_out(parser, args.out)
+    if hasattr(args, "out"):
+        _check_out(parser, args.out)
     if hasattr(args, "data"):
         _check_data(parser, args.data)
     if hasattr(args, "device"):
@@ -353,33 +365,86 @@ def _add_reproduce_parser(sub) -> None:
     p.add_argument("--tangents-in-one-pass", action=argparse.BooleanOptionalAction, default=None,
                    help="carry the tangents of a step through one forward pass (vmap), or one pass each (preset: "
                         "tuned yes, paper no; with --estimator weight it needs the lean engine)")
-    p.add_argument("--engine", default=None,
-                   help="forward-mode engine of the 'weight' estimator, a name in fgfw.forward_grad.ENGINES (default: "
-                        "the library's default; forward_ad is the fastest for this tiny network on the CPU)")
+    p.add_argument("--engine", choices=sorted(ENGINES), default=None,
+                   help=f"forward-mode engine of the 'weight' estimator: {', '.join(sorted(ENGINES))} (default: "
+                        f"{DEFAULT_ENGINE}; forward_ad is the fastest for this tiny network on the CPU)")
     p.add_argument("--lr", type=float, default=None, help="Adam / SGD learning rate (no constraint)")
     p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--threads", type=_non_negative_int, default=1,
-                   help="torch CPU threads (default 1: the paper's network is too small to gain from more; 0 = "
-                        "torch's default)")
+    _add_threads_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", default="results/reproduce", help="folder for the CSV/JSON files and curves.png")
     p.set_defaults(run=reproduce)
 
 
+def _add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_non_negative_int, default=1,
+                   help="torch CPU threads (default 1: the paper's network is too small to gain from more; on a "
+                        "2-core machine 2 threads ran the demo 3 to 10x slower than 1; 0 = torch's default)")
+
+
+def _add_demo_parser(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="train the paper's MLP shape on scikit-learn's digits with FW, FGFW, AFGFW",
+        description="Trains the paper's network shape (64-10-10-10-10-10 ReLU, 1,090 parameters) on scikit-learn's "
+                    "8x8 digits with FW (backprop), FGFW (Alg. 1) and AFGFW (Alg. 2) under an L1 constraint, with "
+                    "the 'tuned' preset of `fgfw reproduce`; prints a line per epoch and a final table, and writes "
+                    "a CSV per method, summary.json and loss_curves.png. Needs the 'demo' extra (scikit-learn, "
+                    "matplotlib).")
+    p.add_argument("--epochs", type=_positive_int, default=30, help="epochs per method (default %(default)s)")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="minibatch size (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and tangents "
+                                                         "(default %(default)s)")
+    p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
+    _add_threads_option(p)
+    p.add_argument("--out", default="results/demo",
+                   help="folder for the CSVs, summary.json and loss_curves.png (default %(default)s)")
+    p.set_defaults(run=demo)
+
+
+def _add_info_parser(sub) -> None:
+    p = sub.add_parser(
+        "info", help="versions, the extension's CUDA architectures, and which backends run where (and why not)",
+        description="Prints the fgfw, Python, torch, triton and CUDA versions, the GPUs, the compiled extension and "
+                    "its CUDA architectures, and for every device which backends can run there and, where one "
+                    "cannot, why.")
+    p.add_argument("--bench", action="store_true",
+                   help=f"also measure, for {BENCH_SECONDS:g} seconds, the copy bandwidth and the fused step's "
+                        f"fraction of it (on the first GPU, else the CPU)")
+    p.set_defaults(run=lambda args: info.main(BENCH_SECONDS if args.bench else None))
+
+
+BENCH_SECONDS = 5.0
+DEMO_EXTRA = "demo"  # pyproject.toml's [project.optional-dependencies]: what the CLI needs beyond fgfw
+
+
+def _missing_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(pip name, what needs it) of each optional package ``args``'s command needs and is not installed."""
+    needs = []
+    if args.command == "demo" or (args.command == "reproduce" and args.data in (None, "digits")):
+        needs.append(("sklearn", "scikit-learn", "the digits data"))
+    if args.command in ("demo", "reproduce"):
+        needs.append(("matplotlib", "matplotlib", "the curves"))
+    # tqdm is optional: without it the progress is printed as plain lines
+    return [(name, why) for module, name, why in needs if importlib.util.find_spec(module) is None]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fgfw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train the paper's MLP shape on scikit-learn's digits with FW, FGFW, AFGFW")
-    p.add_argument("--epochs", type=_positive_int, default=30)
-    p.add_argument("--batch-size", type=_positive_int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None, help="cuda | triton | cpu | torch | auto (default: auto)")
-    p.add_argument("--out", default="results/demo", help="folder for the CSVs, summary.json and loss_curves.png")
-    p.set_defaults(run=demo)
+    _add_demo_parser(sub)
     _add_reproduce_parser(sub)
+    _add_info_parser(sub)
     args = parser.parse_args(argv)
     _check_args(sub.choices[args.command], args)
+    missing = _missing_packages(args)
+    if missing:
+        # checked before any data is read or any training runs: not after minutes of training, at the plot
+        names = " ".join(name for name, _ in missing)
+        print(f"fgfw {args.command}: error: missing {', '.join(f'{n} (for {why})' for n, why in missing)}: install "
+              f"fgfw's '{DEMO_EXTRA}' extra (pip install --no-build-isolation '.[{DEMO_EXTRA}]' in fgfw's source "
+              f"folder) or pip install {names}", file=sys.stderr)
+        sys.exit(2)
     try:
         args.run(args)
     except (FileNotFoundError, ValueError) as err:

@@ -211,14 +211,15 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
-def train(cfg: RunConfig, model: nn.Module, train_data, test_data, progress=None) -> list[dict]:
+def train(cfg: RunConfig, model: nn.Module, train_data, test_data, progress=None, on_epoch=None) -> list[dict]:
     """Trains ``model`` in place; returns one record per epoch (epoch 0 is the initial model).
 
     Each record: train_loss (mean minibatch loss over the epoch; at epoch 0 the loss on the training
     set), test_loss, test_accuracy, fw_gap (mean over the epoch's steps of the optimizer's Frank-Wolfe
     gap estimate ``<d, theta - s>``; None for Adam/SGD), zeros / zero_fraction (exactly-zero parameters),
     wall_time_s (training time so far, evaluation excluded) and peak_memory_mib (see
-    :func:`peak_memory_mib`). ``progress``, if given, gets ``update(1)`` after every step.
+    :func:`peak_memory_mib`). ``progress``, if given, gets ``update(1)`` after every step; ``on_epoch``, if
+    given, gets each training epoch's record as soon as it is made (the demo's progress lines).
     """
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -275,6 +276,8 @@ def train(cfg: RunConfig, model: nn.Module, train_data, test_data, progress=None
             raise FloatingPointError(f"{cfg.method} (seed {cfg.seed}): the training loss became {mean_loss} in epoch "
                                      f"{epoch}; lower the step size")
         record(epoch, mean_loss, None if cfg.method in UNCONSTRAINED_METHODS else float(gap_sum) / steps, elapsed)
+        if on_epoch is not None:
+            on_epoch(history[-1])
     return history
 
 
