@@ -6,7 +6,7 @@ Algorithm via Variance Reduction". Constraint: :class:`L1Ball`.
 """
 import torch  # noqa: F401  (the compiled extension links against torch's libraries: load them first)
 
-from . import _ops, reference
+from . import _ops, distributed, reference
 from ._ops import available_backends, resolve_backend
 from .constraints import L1Ball
 from .optim import AFGFW, FGFW, FrankWolfe

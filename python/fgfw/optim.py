@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import _ops, activity, constraints, forward_grad, reference, schedules
+from . import _ops, activity, constraints, distributed, forward_grad, reference, schedules
 from .constraints import L1Ball, _user_stacklevel
 
 STATE_KEY = "fgfw"
@@ -32,6 +32,33 @@ def _called_autograd(error: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _batch_weight(batch_size: object) -> float:
+    """A rank's weight in the data-parallel mean: its batch size, or 1 (equal weights) when not given."""
+    if batch_size is None:
+        return 1.0
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be None or an integer >= 1 (this rank's number of examples), got "
+                         f"{batch_size!r}")
+    return float(batch_size)
+
+
+def _param_tensors(params: Iterable) -> tuple[list, list[torch.Tensor]]:
+    """``params`` (tensors, or param-group dicts) as a list, with every tensor they hold; an iterator inside
+    a group is read once, into a list."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    out, tensors = [], []
+    for item in params:
+        if isinstance(item, dict):
+            members = item.get("params", [])
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            item = dict(item, params=members)
+            tensors.extend(t for t in members if isinstance(t, torch.Tensor))
+        elif isinstance(item, torch.Tensor):
+            tensors.append(item)
+        out.append(item)
+    return out, tensors
 
 
 def _row_radii(radii: list) -> list[tuple]:
@@ -664,7 +691,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
     def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: L1Ball,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
-                 check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool):
+                 check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool,
+                 process_group: object = distributed.AUTO, check_replicas_every: int = 0):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -686,10 +714,26 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if tangents_in_one_pass and estimator == "weight" and not hasattr(forward_grad.ENGINES[engine], "batched"):
             raise ValueError(f"tangents_in_one_pass=True needs an engine with a batched form (\"lean\"), got "
                              f"engine={engine!r}")
+        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) \
+                or check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every must be an integer >= 0 (0: never), got {check_replicas_every!r}")
+        explicit_seed = seed is not None
         if seed is None:
             seed = int(torch.empty((), dtype=torch.int64).random_())  # from torch's RNG: manual_seed fixes it
         elif isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        group = distributed.resolve_group(process_group)
+        self._replicas: distributed.Replicas | None = None
+        self.check_replicas_every = check_replicas_every
+        if params is None:
+            params = [p for p in module.parameters() if p.requires_grad]
+        params, tensors = _param_tensors(params)
+        if group is not None and tensors:
+            # the replicas start from the group's first rank's parameters (before radii are resolved from
+            # them and the start is made feasible) and draw the same tangents
+            self._replicas = distributed.Replicas(group, tensors[0].device)
+            self._replicas.broadcast_(tensors)
+            seed = self._replicas.agree_seed(seed, explicit_seed)
         self.module = module
         self.seed = seed
         self.tangent = tangent
@@ -698,8 +742,6 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.engine = engine
         self.estimator = estimator
         self.recompute_inputs = bool(recompute_inputs)
-        if params is None:
-            params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite)
         module_params = {id(p) for p in module.parameters()}
         for group in self.param_groups:
@@ -765,7 +807,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         return guarded
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *, batch_size: int | None = None) -> torch.Tensor:
         """One step: ``num_tangents`` forward-mode passes of ``closure``, then the fused Frank-Wolfe update.
 
         ``closure`` (required) runs the model as usual and returns the scalar loss, e.g.
@@ -776,7 +818,13 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
         Parameters frozen (``requires_grad=False``) since construction get no tangent and do not move (in a
         global ball they raise ``ValueError``); the others keep their place in the tangent stream.
+
+        Data-parallel (a process group, see the class): every rank calls ``step`` with its own batch; the
+        directional derivatives (the activity estimator: the estimate) are averaged over the ranks, weighted
+        by ``batch_size`` (this rank's number of examples; None: equal weights), and every rank applies the
+        same update. The returned loss is this rank's.
         """
+        weight = _batch_weight(batch_size)
         if closure is None or not callable(closure):
             got = "no closure" if closure is None else f"a {type(closure).__name__}"
             raise TypeError(f"{type(self).__name__}.step needs a closure that computes the loss with the module, "
@@ -798,7 +846,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
 
         if self.estimator == "activity":
-            return self._activity_step(plan, schedule, k, params, closure, fill)
+            return self._activity_step(plan, schedule, k, params, closure, fill, weight)
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and self.num_tangents > 1:
             makers = [tangent_maker(t) for t in range(self.num_tangents)]
@@ -813,26 +861,38 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                 loss = loss_t if loss is None else loss
                 coeffs.append(c.reshape(()).to(torch.float64))
             coeffs = torch.stack(coeffs)
+        if self._replicas is not None:
+            # every rank gets the same mean, non-finite on every rank if on one: they raise (or step) alike
+            coeffs = self._replicas.mean_coefficients(coeffs, weight)
         if self.check_finite and not bool(torch.isfinite(coeffs).all()):
             raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
                              f"(values {coeffs.tolist()}, loss {float(loss)}); parameters and optimizer state were left "
                              f"unchanged (check the closure and step size, or pass check_finite=False)")
         self._apply(plan, schedule, k, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
                     distribution=distribution)
+        self._check_replicas(k)
         return loss
 
+    def _check_replicas(self, k: torch.Tensor) -> None:
+        """Every check_replicas_every steps, ``RuntimeError`` on every rank if the replicas' parameters differ."""
+        if self._replicas is not None and self.check_replicas_every and int(k) % self.check_replicas_every == 0:
+            self._replicas.check_identical([p for g in self.param_groups for p in g["params"]], int(k))
+
     def _activity_step(self, plan: _Plan, schedule: list[torch.Tensor], k: torch.Tensor, params: list[torch.Tensor],
-                       closure, fill):
+                       closure, fill, weight: float):
         """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
         step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
         loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
                                                   self.tangents_in_one_pass, self.recompute_inputs)
+        if self._replicas is not None:
+            self._replicas.mean_dense_(list(grads.values()), weight)
         if self.check_finite and not _ops.all_finite(list(grads.values())):
             raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
                              f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
                              f"and step size, or pass check_finite=False)")
         self._apply(plan, schedule, k, grads=self._gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
                     seed=0, distribution=0)
+        self._check_replicas(k)
         return loss
 
 
@@ -875,17 +935,30 @@ class FGFW(_ForwardGradientFrankWolfe):
             and run the closure once more, plainly, to build the estimate layer by layer: memory of an
             inference forward plus a parameter-sized estimate, for one extra forward. The closure must be
             deterministic (no dropout in train mode); a second pass that differs raises ``ValueError``.
+        process_group: data parallelism over ``torch.distributed`` (see :mod:`fgfw.distributed`):
+            ``"auto"`` (default) uses the default group when torch.distributed is initialised with more
+            than one process; ``None`` never communicates; or a ``ProcessGroup``. At construction the
+            parameters are broadcast from the group's first rank and the seed is agreed (rank 0's; a rank
+            given another seed raises ``ValueError`` on every rank). Each step all-reduces the K directional
+            derivatives and the rank's batch weight (8 (K + 1) bytes; the activity estimator: its dense
+            estimate) and every rank applies the same update: the replicas stay bit-identical. Buffers
+            (e.g. BatchNorm statistics) are not synchronised.
+        check_replicas_every: with a process group, every this many steps compare a checksum of the
+            parameters' bits across ranks and raise ``RuntimeError`` naming the step if they differ
+            (0: never; each check is one small all-gather and a host read).
     """
 
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
                  step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
                  check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
-                 recompute_inputs: bool = False):
+                 recompute_inputs: bool = False, process_group: object = distributed.AUTO,
+                 check_replicas_every: int = 0):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
                          check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator,
-                         recompute_inputs=recompute_inputs)
+                         recompute_inputs=recompute_inputs, process_group=process_group,
+                         check_replicas_every=check_replicas_every)
         if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
             # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
             warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
@@ -910,11 +983,13 @@ class AFGFW(_ForwardGradientFrankWolfe):
                  step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
-                 estimator: str = "weight", recompute_inputs: bool = False):
+                 estimator: str = "weight", recompute_inputs: bool = False, process_group: object = distributed.AUTO,
+                 check_replicas_every: int = 0):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
-                         estimator=estimator, recompute_inputs=recompute_inputs)
+                         estimator=estimator, recompute_inputs=recompute_inputs, process_group=process_group,
+                         check_replicas_every=check_replicas_every)
 
     _SCHEDULE_KEYS = ("step_size", "averaging_weight")
 
