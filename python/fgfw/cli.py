@@ -380,7 +380,7 @@ def _add_reproduce_parser(sub) -> None:
 def _add_threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="torch CPU threads (default 1: the paper's network is too small to gain from more; on a "
-                        "2-core machine 2 threads ran the demo 3 to 10x slower than 1; 0 = torch's default)")
+                        "2-core machine 2 threads ran the demo 2.5 to 20x slower than 1; 0 = torch's default)")
 
 
 def _add_demo_parser(sub) -> None:
