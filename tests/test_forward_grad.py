@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fgfw import reference
-from fgfw.forward_grad import DEFAULT_ENGINE, ENGINES, directional_derivative
+from fgfw.forward_grad import DEFAULT_ENGINE, ENGINES, _check_params, _registered_param_ids, directional_derivative
 
 SEED, STEP = 1234, 7
 
@@ -386,6 +386,30 @@ def test_bad_params_and_tangents_are_named():
         directional_derivative(model, params, lambda j: tangents[j].t(), closure)
     with pytest.raises(TypeError, match=r"make_tangent\(0\)"):
         directional_derivative(model, params, lambda j: 1.0, closure)
+
+
+def test_params_check_walks_the_registries_and_asks_the_module_for_the_rest():
+    """The parameter check reads the modules' registries (a module registered twice or inside itself, an
+    empty slot), and a module whose parameters() yields one it does not register still passes it."""
+    layer = nn.Linear(3, 2)
+    model = nn.Sequential(layer, nn.ReLU(), layer)
+    model.itself = model
+    model.register_module("empty", None)
+    assert _registered_param_ids(model) == {id(p) for p in model.parameters()}
+    _check_params(model, list(model.parameters()))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden = [nn.Linear(3, 2)]  # not registered
+
+        def parameters(self, recurse=True):
+            return iter(self.hidden[0].parameters())
+
+    wrapper = Wrapper()
+    _check_params(wrapper, list(wrapper.parameters()))
+    with pytest.raises(ValueError, match=r"params\[0\].*not a parameter of module"):
+        _check_params(wrapper, list(layer.parameters()))
 
 
 def test_engine_registry():

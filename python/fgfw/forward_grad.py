@@ -88,9 +88,23 @@ def _attention_with_forward_ad() -> Iterator[None]:
             torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
+def _registered_param_ids(module: nn.Module) -> set[int]:
+    """ids of the parameters registered in ``module`` and its submodules: what ``module.parameters()``
+    yields, read from the registries directly (a third of its cost, which runs every step)."""
+    ids, seen, stack = set(), set(), [module]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:  # an empty slot, or a module registered twice (or in a cycle)
+            continue
+        seen.add(id(m))
+        ids.update(map(id, m._parameters.values()))
+        stack.extend(m._modules.values())
+    return ids
+
+
 def _check_params(module: nn.Module, params: Sequence[torch.Tensor]) -> None:
     """Each entry of ``params`` must be a distinct parameter of ``module``."""
-    owned = {id(p) for p in module.parameters()}
+    owned = _registered_param_ids(module)
     seen: dict[int, int] = {}
     for j, p in enumerate(params):
         if id(p) in seen:
@@ -98,6 +112,8 @@ def _check_params(module: nn.Module, params: Sequence[torch.Tensor]) -> None:
                 f"params[{j}] is the same tensor as params[{seen[id(p)]}]; each parameter must appear once "
                 f"(a tied parameter is passed once and gets one tangent)")
         seen[id(p)] = j
+        if id(p) not in owned:  # a module may yield more than it registers: ask it
+            owned = {id(q) for q in module.parameters()}
         if id(p) not in owned:
             raise ValueError(
                 f"params[{j}] (shape {tuple(p.shape)}) is not a parameter of module "
