@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fgfw import reference
-from fgfw.forward_grad import DEFAULT_ENGINE, ENGINES, _check_params, _registered_param_ids, directional_derivative
+from fgfw.forward_ad_engine import _check_params, _registered_param_ids
+from fgfw.forward_grad import DEFAULT_ENGINE, ENGINES, directional_derivative
 
 SEED, STEP = 1234, 7
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch._C._functorch import _add_batch_dim, _unwrap_for_grad, maybe_current_level
 from torch.overrides import TorchFunctionMode
 
-from .forward_grad import _attention_with_forward_ad
+from .forward_ad_engine import _attention_with_forward_ad
 from .lean import _reads_metadata_only
 from .reference import compute_dtype
 

@@ -71,7 +71,7 @@ from torch._C._functorch import (_add_batch_dim, get_unwrapped, is_batchedtensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from .forward_grad import _check_loss, _check_params, _check_tangent
+from .forward_ad_engine import _check_loss, _check_params, _check_tangent, directional_derivative
 
 # the input-tangent term of a convolution is added in this many batch chunks: its temporary is 1/8 output
 _CONV_CHUNKS = 8
@@ -556,7 +556,7 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
                                 closure: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss f(theta) and c = <grad f(theta), u> in one lean forward pass (just-in-time tangents).
 
-    Same contract as :func:`fgfw.forward_grad.directional_derivative`; ``make_tangent(j)`` is called when
+    Same contract as :func:`fgfw.forward_ad_engine.directional_derivative`; ``make_tangent(j)`` is called when
     a call first needs ``params[j]`` (once per call that uses it, possibly several times per pass, and
     not at all for a parameter the closure never uses), so it must return the same values every time.
     """
@@ -564,7 +564,6 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
         # Dynamo guards on the identities the just-in-time mode looks up (a new input batch each step would
         # mean a new graph each step); traced, the stock forward-AD pass is one graph whose buffers
         # Inductor plans itself.
-        from .forward_grad import directional_derivative
         return directional_derivative(module, params, make_tangent, closure)
     params = list(params)
     _check_params(module, params)
