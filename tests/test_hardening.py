@@ -346,7 +346,7 @@ def test_state_of_another_optimizer_kind_is_refused(source, target):
     (lambda s: s["fgfw"].update(tangent="uniform"), "tangent"),
     (lambda s: s["fgfw"].update(estimator="activations"), "estimator"),
     (lambda s: s["fgfw"].update(step=-1), "step"),
-    (lambda s: s["param_groups"][0].update(constraint={"kind": "l2_ball", "radius": 1.0}), "constraint"),
+    (lambda s: s["param_groups"][0].update(constraint={"kind": "hexagon", "radius": 1.0}), "constraint"),
     (lambda s: s["param_groups"][0].update(step_size="1/k^2"), "step_size"),
     (lambda s: s["param_groups"][0].pop("averaging_weight"), "averaging_weight"),
     (lambda s: s["param_groups"][0]["radii"].pop(), "radii"),

@@ -1,8 +1,26 @@
 """Constraint sets and their linear minimisation oracles (LMOs).
 
-A constraint is one verb for the algorithms: ``lmo(direction, radius)`` returns
-``argmin_{s in C} <direction, s>``. The optimizers never look inside a set; the fused kernels implement
-the LMO of the sets they support (today the L1 ball) without materialising the vertex.
+A constraint is one verb for the algorithms: the vertex ``argmin_{s in C} <d, s>`` of each of its balls.
+Every set here is applied per ball: one per parameter tensor (scope "tensor"), one per row of every
+matrix (scope "row"), or one over all parameters of a param group (scope "global"), each with its own
+radius. The L1 ball has fused kernels (CPU, CUDA, Triton) that never build the vertex; the other sets
+step through :func:`fgfw.reference.fw_step_` with their dense vertex (torch ops).
+
+| set | vertex of a ball of radius r for the direction d | scopes |
+|---|---|---|
+| :class:`L1Ball` | ``-r sign(d_i) e_i``, i = argmax abs(d_i) | tensor, row, global |
+| :class:`L2Ball` | ``-r d / ||d||_2`` | tensor, row, global |
+| :class:`LInfBall` | ``-r sign(d)`` | tensor, row, global |
+| :class:`LpBall` | ``-r sign(d) abs(d)^(q-1) / ||d||_q^(q-1)``, 1/p + 1/q = 1 | tensor, row, global |
+| :class:`KSparsePolytope` | ``-r sign(d_i)`` on the k largest abs(d_i), 0 elsewhere | tensor, row, global |
+| :class:`Simplex` | ``r e_i``, i = argmin d_i (``{s >= 0, sum s = r}``) | tensor, row, global |
+| :class:`NonnegativeL1Ball` | ``r e_i`` if min d_i < 0, else 0 (``{s >= 0, sum s <= r}``) | tensor, row, global |
+| :class:`NuclearNormBall` | ``-r u_1 v_1^T``, the top singular pair of the matrix d | tensor (matrices) |
+
+Ties go to the lowest index, as in the L1 kernels. Radii: explicit, ``relative_to_init(scale)`` (scale
+times the set's gauge of the initial parameters: its norm, or the sum for the simplices), or
+``from_init_diameter(scale)``: the radius whose ball has the L2 diameter 2 scale E||theta_0||_2 of the
+tensor's own initial values, the rule that makes every set equally large (see :meth:`_Ball.l2_diameter`).
 """
 from __future__ import annotations
 
@@ -17,6 +35,8 @@ from . import reference
 
 SCOPES = ("tensor", "global", "row")
 KIND_L1_BALL = "l1_ball"
+# how radius-less balls get their radii from the initial parameters (see _Ball.resolve_radii)
+RULES = ("relative_to_init", "init_diameter")
 
 
 def _user_stacklevel() -> int:
@@ -36,114 +56,227 @@ def _check_radius(radius, name: str = "radius") -> float:
     return float(radius)
 
 
-class L1Ball:
-    """The L1 ball ``{theta : ||theta||_1 <= r}`` (the paper's sparsity-promoting constraint).
+class Constraint:
+    """A convex set applied per ball (see the module docstring); the base of every set.
+
+    A subclass names its ``KIND`` (its ``to_dict`` tag), its ``NAME`` and ``GAUGE`` (for messages) and
+    implements :meth:`gauge` (the norm whose ball of radius r is the set), :meth:`vertex` (the LMO of one
+    ball) and :meth:`l2_diameter`; sets that are not norm balls (the simplices) also override
+    :meth:`shrink_into_` and :meth:`contains`.
 
     Args:
-        radius: the radius r > 0. Leave it out and use :meth:`relative_to_init` for a rule.
+        radius: the radius r > 0. Leave it out and use :meth:`relative_to_init` or
+            :meth:`from_init_diameter` for a rule.
         scope: ``"tensor"`` (default): one ball per parameter tensor, each of radius r (a product of balls;
             the paper's "constraint on the parameters in all layers"). ``"global"``: one ball over all
             parameters of a param group together (one vertex per step for the whole group). ``"row"``:
             one ball per slice ``p[i]`` along the first dimension of every tensor of two or more
             dimensions (a neuron's incoming weights, a convolution's output filter), one per tensor
-            for the others (biases): every unit gets a vertex step at every step. Per-tensor balls let
-            the unit with the largest gradient take every step of its layer while the other units shrink
-            towards zero; in a narrow deep ReLU network they die (see bench/RESULTS.md).
-
-    Its vertices are ``-r sign(d_i) e_i``: a scaled one-hot, never stored densely by the optimizers.
+            for the others (biases): every unit gets a vertex step at every step.
     """
 
-    def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None):
-        if scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    KIND = ""
+    NAME = "set"
+    GAUGE = "norm"
+    ALLOWED_SCOPES = SCOPES
+    PARAMS: tuple[str, ...] = ()  # the set's own constructor keywords (saved by to_dict)
+
+    def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None,
+                 _rule: str = "relative_to_init"):
+        if scope not in self.ALLOWED_SCOPES:
+            raise ValueError(f"scope must be one of {self.ALLOWED_SCOPES} for a {self.NAME}, got {scope!r}")
         if radius is None and _relative_scale is None:
-            raise ValueError("radius is required: pass L1Ball(radius=r) with r > 0, or use "
-                             "L1Ball.relative_to_init(scale) to set it from the initial weights")
+            raise ValueError(f"radius is required: pass {type(self).__name__}(radius=r) with r > 0, or use "
+                             f"{type(self).__name__}.relative_to_init(scale) to set it from the initial weights")
+        if _rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {_rule!r}")
         self.radius = None if radius is None else _check_radius(radius)
         self.relative_scale = None if _relative_scale is None else _check_radius(_relative_scale, "scale")
+        self.rule = _rule
         self.scope = scope
 
     @classmethod
-    def relative_to_init(cls, scale: float = 1.0, *, scope: str = "tensor") -> "L1Ball":
-        """A ball whose radius is ``scale`` times the L1 norm of the initial parameters.
+    def relative_to_init(cls, scale: float = 1.0, *, scope: str = "tensor", **params) -> "Constraint":
+        """A ball whose radius is ``scale`` times the set's gauge of the initial parameters.
 
-        Per tensor (``scope="tensor"``: r_t = scale * ||theta_t^0||_1) or over the group (``"global"``).
-        Measured on the weights at optimizer construction; ``scale >= 1`` keeps a default initialisation
-        feasible, so training starts from the dense initial point instead of a rescaled one.
+        Per tensor (``scope="tensor"``: r_t = scale * gauge(theta_t^0)), per row (``"row"``) or over the
+        group (``"global"``). Measured on the weights at optimizer construction; ``scale >= 1`` keeps a
+        default initialisation feasible, so training starts from the dense initial point instead of a
+        rescaled one.
         """
-        return cls(None, scope=scope, _relative_scale=scale)
+        return cls(None, scope=scope, _relative_scale=scale, **params)
+
+    @classmethod
+    def from_init_diameter(cls, scale: float = 1.0, *, scope: str = "tensor", **params) -> "Constraint":
+        """A ball whose L2 diameter is ``2 scale ||theta^0||_2``, theta^0 the ball's initial values: the
+        radius ``r = 2 scale ||theta^0||_2 / l2_diameter(shape, 1)``.
+
+        The same rule gives every set the same L2 extent as the initialisation (an L2 ball of radius
+        ``scale ||theta^0||_2``; an L-infinity ball of ``scale ||theta^0||_2 / sqrt(n)``; an L1 ball of
+        ``scale ||theta^0||_2``, far below the initial L1 norm, so the start is rescaled into it). This is
+        the diameter rule of other Frank-Wolfe libraries for networks, with the realised initial values in
+        place of their expectation under the layer's default initialisation (equal in expectation, and
+        right for any initialisation).
+        """
+        return cls(None, scope=scope, _relative_scale=scale, _rule="init_diameter", **params)
 
     @property
     def global_ball(self) -> bool:
         return self.scope == "global"
 
+    def _params_repr(self) -> str:
+        return ""
+
     def __repr__(self) -> str:
-        size = f"radius={self.radius}" if self.radius is not None else f"relative_to_init={self.relative_scale}"
-        return f"L1Ball({size}, scope={self.scope!r})"
+        if self.radius is not None:
+            size = f"radius={self.radius}"
+        elif self.rule == "init_diameter":
+            size = f"from_init_diameter={self.relative_scale}"
+        else:
+            size = f"relative_to_init={self.relative_scale}"
+        return f"{type(self).__name__}({self._params_repr()}{size}, scope={self.scope!r})"
+
+    def _params(self) -> dict:
+        """The set's own parameters (p, k) as constructor keywords."""
+        return {}
 
     def to_dict(self) -> dict:
-        """The ball as plain values, as an optimizer's ``state_dict`` saves it (``torch.load`` with its default
-        ``weights_only=True`` reads them); :func:`from_dict` builds the ball again."""
-        return {"kind": KIND_L1_BALL, "radius": self.radius, "scope": self.scope,
-                "relative_scale": self.relative_scale}
+        """The set as plain values, as an optimizer's ``state_dict`` saves it (``torch.load`` with its default
+        ``weights_only=True`` reads them); :func:`from_dict` builds the set again."""
+        out = {"kind": self.KIND, "radius": self.radius, "scope": self.scope, "relative_scale": self.relative_scale}
+        if self.rule != "relative_to_init":
+            out["rule"] = self.rule
+        return dict(out, **self._params())
 
-    @staticmethod
-    def norm(tensors: Sequence[torch.Tensor]) -> float:
-        return float(sum(t.detach().double().abs().sum() for t in tensors))
+    # -- the set -----------------------------------------------------------------------------------------------
+    def gauge(self, x: torch.Tensor) -> float:
+        """The set's gauge of the flat float64 tensor x: x lies in the ball of radius r iff gauge(x) <= r."""
+        raise NotImplementedError
 
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        """``argmin_{s in C_r} <d, s>`` for one ball: ``d`` flat, ``shape`` the ball's shape (the tensor's, or
+        ``(n,)`` for a row or a global ball); returns a flat tensor of d's dtype. Ties: the lowest index."""
+        raise NotImplementedError
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        """``max ||s - s'||_2`` over the ball of radius r (for :meth:`from_init_diameter`)."""
+        raise NotImplementedError
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        """Whether x (any shape) lies in the ball of radius r, up to a relative tolerance."""
+        return self.gauge(x.detach().reshape(-1).double()) <= radius * (1 + rtol)
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        """The gauge of several tensors taken as one vector (a global ball)."""
+        return self.gauge(torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors
+                          else torch.zeros(0, dtype=torch.float64))
+
+    def shrink_into_(self, tensors: Sequence[torch.Tensor], radius: float) -> bool:
+        """Moves tensors outside the ball (taken as one vector) into it; returns whether they moved. Norm
+        balls rescale (the direction is kept), then shrink by a few ulps until the stored values are in."""
+        norm = self.norm(tensors)
+        if norm <= radius:
+            return False
+        with torch.no_grad():
+            for t in tensors:
+                t.mul_(radius / norm)
+            # the rescaled values are rounded: shrink by a few ulps until the stored norm is <= r, so that
+            # the step's guarantee (reference.feasibility_shrink) starts from a feasible point
+            for _ in range(16):
+                if self.norm(tensors) <= radius:
+                    break
+                for t in tensors:
+                    t.mul_(1.0 - 4.0 * torch.finfo(t.dtype).eps)
+        return True
+
+    def _excess(self, tensors: Sequence[torch.Tensor], radius: float) -> float:
+        """How far outside the ball the tensors are, relative to r (for the warning), or 0."""
+        norm = self.norm(tensors)
+        return 0.0 if norm <= radius else (norm / radius - 1 if math.isfinite(norm) else math.inf)
+
+    # -- balls and radii ---------------------------------------------------------------------------------------
     @staticmethod
     def rows(p: torch.Tensor) -> list[torch.Tensor]:
         """The balls of ``p`` under scope "row": its slices along dim 0 (views), or ``p`` itself below 2-D."""
         p = p.detach()  # views of the same memory, without autograd history
         return list(p.unbind(0)) if p.dim() >= 2 else [p]
 
+    def _rule_radius(self, tensors: Sequence[torch.Tensor], where: str) -> float:
+        if self.rule == "init_diameter":
+            l2 = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+            shape = tuple(tensors[0].shape) if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
+            value, what = 2.0 * self.relative_scale * l2 / self.l2_diameter(shape, 1.0), "L2 norm"
+            norm = l2
+        else:
+            norm = self.norm(tensors)
+            value, what = self.relative_scale * norm, self.GAUGE
+        if not norm > 0 or not math.isfinite(norm) or not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{type(self).__name__}.{self.rule if self.rule != 'init_diameter' else 'from_init_diameter'}"
+                             f" cannot set a radius from {where}: its initial {what} is {norm}; initialise it to "
+                             f"non-zero values, or give it a param group of its own with an explicit radius, e.g. "
+                             f"{{'params': [...], 'constraint': fgfw.{type(self).__name__}(radius=1.0)}}")
+        return value
+
     def resolve_radii(self, params: Sequence[torch.Tensor]) -> list:
         """The radii: one per tensor ("tensor"), one for the group ("global"), a list per tensor ("row")."""
         if self.scope == "row":
             if self.radius is not None:
                 return [[self.radius] * len(self.rows(p)) for p in params]
-            return [L1Ball(scope="tensor", _relative_scale=self.relative_scale).resolve_radii(self.rows(p))
-                    for p in params]
+            return [[self._rule_radius([row], f"row {j} of parameter {i} (shape {tuple(p.shape)})")
+                     for j, row in enumerate(self.rows(p))] for i, p in enumerate(params)]
         if self.radius is not None:
             return [self.radius] if self.global_ball else [self.radius] * len(params)
-        groups = [list(params)] if self.global_ball else [[p] for p in params]
-        radii = []
-        for i, tensors in enumerate(groups):
-            norm = self.norm(tensors)
-            if not norm > 0 or not math.isfinite(norm):
-                where = "the group's parameters" if self.global_ball else f"parameter {i} (shape {tuple(tensors[0].shape)})"
-                raise ValueError(f"L1Ball.relative_to_init cannot set a radius from {where}: its initial L1 norm is "
-                                 f"{norm}; initialise it to non-zero values, or give it a param group of its own "
-                                 f"with an explicit radius, e.g. {{'params': [...], 'constraint': "
-                                 f"fgfw.L1Ball(radius=1.0)}}")
-            radii.append(self.relative_scale * norm)
-        return radii
+        if self.global_ball:
+            return [self._rule_radius(list(params), "the group's parameters")]
+        return [self._rule_radius([p], f"parameter {i} (shape {tuple(p.shape)})") for i, p in enumerate(params)]
 
     def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
-        """Rescales an infeasible start into the ball (with a warning); feasible parameters are untouched."""
+        """Moves an infeasible start into the set (with a warning beyond rounding); feasible parameters are
+        untouched."""
         if self.scope == "row":
             params = [row for p in params for row in self.rows(p)]
             radii = [r for per_tensor in radii for r in per_tensor]
         groups = [list(params)] if self.global_ball else [[p] for p in params]
         for tensors, r in zip(groups, radii):
-            norm = self.norm(tensors)
-            if norm <= r:
+            excess = self._excess(tensors, r)
+            if not excess:
                 continue
+            before = self.norm(tensors)
+            self.shrink_into_(tensors, r)
             # an excess within rounding (e.g. a radius set from these very weights) is removed silently
-            if norm > r * (1 + 1e-6):
-                warnings.warn(f"initial parameters have L1 norm {norm:.6g} > radius {r:.6g}: rescaled into the "
-                              f"L1 ball by {r / norm:.6g} (pass a larger radius or L1Ball.relative_to_init to keep "
-                              f"the initialisation)", stacklevel=_user_stacklevel())
-            with torch.no_grad():
-                for t in tensors:
-                    t.mul_(r / norm)
-                # the rescaled values are rounded: shrink by a few ulps until the stored norm is <= r, so
-                # that the step's guarantee (reference.feasibility_shrink) starts from a feasible point
-                for _ in range(16):
-                    if self.norm(tensors) <= r:
-                        break
-                    for t in tensors:
-                        t.mul_(1.0 - 4.0 * torch.finfo(t.dtype).eps)
+            if excess > 1e-6:
+                warnings.warn(self._moved_message(before, r, tensors), stacklevel=_user_stacklevel())
+
+    def _moved_message(self, before: float, radius: float, tensors) -> str:
+        return (f"initial parameters have {self.GAUGE} {before:.6g} > radius {radius:.6g}: rescaled into the "
+                f"{self.NAME} by {radius / before:.6g} (pass a larger radius or {type(self).__name__}.relative_to_init "
+                f"to keep the initialisation)")
+
+
+class L1Ball(Constraint):
+    """The L1 ball ``{theta : ||theta||_1 <= r}`` (the paper's sparsity-promoting constraint).
+
+    Its vertices are ``-r sign(d_i) e_i``: a scaled one-hot, never stored densely by the optimizers (the
+    fused kernels step it). Per-tensor balls let the unit with the largest gradient take every step of
+    its layer while the other units shrink towards zero; in a narrow deep ReLU network they die, which
+    scope "row" avoids (see bench/RESULTS.md). Arguments as in :class:`Constraint`.
+    """
+
+    KIND = KIND_L1_BALL
+    NAME = "L1 ball"
+    GAUGE = "L1 norm"
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(x.abs().sum())
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        return float(sum(t.detach().double().abs().sum() for t in tensors))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        return reference.l1_lmo(d, radius)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius if math.prod(shape) > 0 else 0.0
 
     @staticmethod
     def lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
@@ -151,21 +284,318 @@ class L1Ball:
         return reference.l1_lmo(direction, radius)
 
 
-def from_dict(spec: object) -> L1Ball:
+class L2Ball(Constraint):
+    """The L2 ball ``{theta : ||theta||_2 <= r}``: vertex ``-r d / ||d||_2`` (dense; 0 for d = 0)."""
+
+    KIND, NAME, GAUGE = "l2_ball", "L2 ball", "L2 norm"
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(x))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(d.double())
+        return torch.zeros_like(d) if norm == 0 else (-radius * d.double() / norm).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius
+
+
+class LInfBall(Constraint):
+    """The L-infinity ball ``{theta : max_i |theta_i| <= r}``: vertex ``-r sign(d)`` (dense; a bound on every
+    weight, the box of quantisation-aware training)."""
+
+    KIND, NAME, GAUGE = "linf_ball", "L-infinity ball", "L-infinity norm"
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(x.abs().max()) if x.numel() else 0.0
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        return -radius * torch.sign(d)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius * math.sqrt(math.prod(shape))
+
+
+class LpBall(Constraint):
+    """The Lp ball ``{theta : ||theta||_p <= r}`` for 1 < p < inf: vertex
+    ``-r sign(d) |d|^(q-1) / ||d||_q^(q-1)`` with 1/p + 1/q = 1 (equality in Hoelder's inequality).
+
+    Args:
+        p: the exponent, 1 < p < inf (p = 1, 2, inf: :class:`L1Ball`, :class:`L2Ball`, :class:`LInfBall`).
+    """
+
+    KIND, NAME = "lp_ball", "Lp ball"
+    PARAMS = ("p",)
+
+    def __init__(self, radius: float | None = None, *, p: float, scope: str = "tensor", **kw):
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (1 < p < math.inf):
+            raise ValueError(f"p must be a number with 1 < p < inf (use L1Ball, L2Ball or LInfBall for 1, 2, inf), "
+                             f"got {p!r}")
+        self.p = float(p)
+        self.GAUGE = f"L{self.p:g} norm"
+        super().__init__(radius, scope=scope, **kw)
+
+    def _params(self) -> dict:
+        return {"p": self.p}
+
+    def _params_repr(self) -> str:
+        return f"p={self.p:g}, "
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(x, ord=self.p))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        q = self.p / (self.p - 1)
+        d64 = d.double()
+        norm_q = torch.linalg.vector_norm(d64, ord=q)
+        if norm_q == 0:
+            return torch.zeros_like(d)
+        # |d_i / ||d||_q|^(q-1): scaled first, so no power overflows
+        return (-radius * torch.sign(d64) * (d64.abs() / norm_q).pow(q - 1)).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        n = math.prod(shape)
+        return 2.0 * radius * n ** max(0.0, 0.5 - 1.0 / self.p)
+
+
+class KSparsePolytope(Constraint):
+    """The k-sparse polytope: the convex hull of the vectors with at most k non-zeros, each ``+-r``;
+    equivalently ``{theta : ||theta||_inf <= r, ||theta||_1 <= k r}``. Its vertex for d is ``-r sign(d_i)``
+    on the k largest ``|d_i|`` (ties: the lowest indices) and 0 elsewhere: a step moves k weights, and a
+    model trained in it keeps its accuracy when pruned to few weights (see :mod:`fgfw.sparsity`).
+
+    Args:
+        k: the number of non-zeros of a vertex, an integer >= 1 (a ball with fewer elements than k is an
+            L-infinity ball).
+    """
+
+    KIND, NAME, GAUGE = "k_sparse_polytope", "k-sparse polytope", "k-sparse gauge max(||x||_1 / k, ||x||_inf)"
+    PARAMS = ("k",)
+
+    def __init__(self, radius: float | None = None, *, k: int, scope: str = "tensor", **kw):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        self.k = k
+        super().__init__(radius, scope=scope, **kw)
+
+    def _params(self) -> dict:
+        return {"k": self.k}
+
+    def _params_repr(self) -> str:
+        return f"k={self.k}, "
+
+    def gauge(self, x: torch.Tensor) -> float:
+        if not x.numel():
+            return 0.0
+        return max(float(x.abs().sum()) / min(self.k, x.numel()), float(x.abs().max()))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        k = min(self.k, d.numel())
+        # a stable sort of -|d|: equal magnitudes keep their order, so the lowest indices win ties
+        order = torch.sort(-d.abs(), stable=True).indices[:k]
+        s = torch.zeros_like(d)
+        s[order] = -radius * torch.sign(d[order])
+        return s
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius * math.sqrt(min(self.k, math.prod(shape)))
+
+
+class Simplex(Constraint):
+    """The scaled probability simplex ``{theta : theta >= 0, sum theta = r}``: vertex ``r e_i`` with
+    i = argmin d_i (the lowest index on ties). Mixture weights, attention over a fixed set, convex
+    combinations of experts. An infeasible start is projected onto it (Euclidean projection); its gauge is
+    the sum of a non-negative tensor (infinite otherwise), so ``relative_to_init`` takes the sum of the
+    absolute initial values."""
+
+    KIND, NAME, GAUGE = "simplex", "simplex", "sum"
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(x.sum()) if not x.numel() or float(x.min()) >= 0 else math.inf
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        x = x.detach().reshape(-1).double()
+        return bool(x.numel() == 0 or (float(x.min()) >= 0 and abs(float(x.sum()) - radius) <= radius * rtol))
+
+    def _rule_radius(self, tensors, where: str) -> float:
+        if self.rule == "relative_to_init":  # the sum of |theta|: the gauge of the nearest non-negative point
+            norm = sum(float(t.detach().double().abs().sum()) for t in tensors)
+            if not norm > 0 or not math.isfinite(norm):
+                return super()._rule_radius(tensors, where)  # raises, naming the parameter
+            return self.relative_scale * norm
+        return super()._rule_radius(tensors, where)
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        s = torch.zeros_like(d)
+        if d.numel():
+            s[int(torch.argmin(d))] = radius
+        return s
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return math.sqrt(2.0) * radius if math.prod(shape) > 1 else 0.0
+
+    def _excess(self, tensors, radius: float) -> float:
+        x = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        if self.contains(x, radius, rtol=0.0):
+            return 0.0
+        return float(torch.linalg.vector_norm(x - project_simplex(x, radius))) / radius or 1e-300
+
+    def shrink_into_(self, tensors: Sequence[torch.Tensor], radius: float) -> bool:
+        x = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        if self.contains(x, radius, rtol=0.0):
+            return False
+        y, at = project_simplex(x, radius), 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(y[at:at + t.numel()].view_as(t).to(t.dtype))
+                at += t.numel()
+        return True
+
+    def _moved_message(self, before: float, radius: float, tensors) -> str:
+        return (f"initial parameters are not in the simplex {{theta >= 0, sum theta = {radius:.6g}}}: projected "
+                f"onto it (Euclidean projection)")
+
+
+class NonnegativeL1Ball(Simplex):
+    """The non-negative part of the L1 ball, ``{theta : theta >= 0, sum theta <= r}``: vertex ``r e_i`` with
+    i = argmin d_i when d_i < 0, else 0 (the origin). An infeasible start is clamped at 0, then rescaled."""
+
+    KIND, NAME, GAUGE = "nonnegative_l1_ball", "non-negative L1 ball", "sum"
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        x = x.detach().reshape(-1).double()
+        return bool(x.numel() == 0 or (float(x.min()) >= 0 and float(x.sum()) <= radius * (1 + rtol)))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        s = torch.zeros_like(d)
+        if d.numel():
+            i = int(torch.argmin(d))
+            if d[i] < 0:
+                s[i] = radius
+        return s
+
+    def _excess(self, tensors, radius: float) -> float:
+        x = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        if self.contains(x, radius, rtol=0.0):
+            return 0.0
+        return max(float(x.clamp(min=0).sum()) / radius - 1, float(-x.min()) / radius, 1e-300)
+
+    def shrink_into_(self, tensors: Sequence[torch.Tensor], radius: float) -> bool:
+        x = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        if self.contains(x, radius, rtol=0.0):
+            return False
+        with torch.no_grad():
+            for t in tensors:
+                t.clamp_(min=0)
+        Constraint.shrink_into_(self, tensors, radius)  # the L1 rescale of what is now non-negative
+        return True
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return float(x.sum()) if not x.numel() or float(x.min()) >= 0 else math.inf
+
+    def _moved_message(self, before: float, radius: float, tensors) -> str:
+        return (f"initial parameters are not in the non-negative L1 ball {{theta >= 0, sum theta <= {radius:.6g}}}: "
+                f"negative values set to 0, then rescaled into it")
+
+
+class NuclearNormBall(Constraint):
+    """The nuclear-norm ball ``{W : sum of singular values <= r}`` of each weight matrix (low rank): vertex
+    ``-r u_1 v_1^T`` from the top singular pair of the direction (as a matrix: a tensor of more than two
+    dimensions is taken as ``(shape[0], -1)``, a vector as one row). The pair comes from power iterations
+    on ``d^T d`` started from d's row of largest norm, until the singular value settles (relative change
+    below 1e-10, at most ``max_iterations``); not a fused kernel. Scope "tensor" only.
+    """
+
+    KIND, NAME, GAUGE = "nuclear_norm_ball", "nuclear-norm ball", "nuclear norm"
+    ALLOWED_SCOPES = ("tensor",)
+    PARAMS = ("max_iterations",)
+
+    def __init__(self, radius: float | None = None, *, scope: str = "tensor", max_iterations: int = 300, **kw):
+        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
+            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
+        self.max_iterations = max_iterations
+        super().__init__(radius, scope=scope, **kw)
+
+    def _params(self) -> dict:
+        return {"max_iterations": self.max_iterations}
+
+    @staticmethod
+    def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(1, -1) if len(shape) < 2 else x.reshape(shape[0], -1)
+
+    def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
+        if not x.numel():
+            return 0.0
+        return float(torch.linalg.matrix_norm(self._matrix(x, shape or tuple(x.shape)), ord="nuc"))
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        (t,) = tensors  # scope "tensor": one matrix per ball
+        return self.gauge(t.detach().double(), tuple(t.shape))
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        m = self._matrix(d.double(), shape)
+        rows = torch.linalg.vector_norm(m, dim=1)
+        if float(rows.max()) == 0:
+            return torch.zeros_like(d)
+        v = m[int(torch.argmax(rows))].clone()
+        v /= torch.linalg.vector_norm(v)
+        sigma = 0.0
+        for _ in range(self.max_iterations):
+            u = m @ v
+            sigma_new = float(torch.linalg.vector_norm(u))
+            u /= sigma_new
+            v = m.T @ u
+            v /= torch.linalg.vector_norm(v)
+            if abs(sigma_new - sigma) <= 1e-10 * sigma_new:
+                break
+            sigma = sigma_new
+        u = m @ v
+        u /= torch.linalg.vector_norm(u)
+        return (-radius * torch.outer(u, v)).reshape(-1).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius  # Frobenius: the vertices are unit rank-one matrices times r
+
+
+def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
+    """The Euclidean projection of the flat tensor x onto ``{y >= 0, sum y = r}`` (sort and threshold)."""
+    if not x.numel():
+        return x.clone()
+    u = torch.sort(x, descending=True).values
+    cumulative = torch.cumsum(u, 0) - radius
+    index = torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device)
+    rho = int(torch.nonzero(u - cumulative / index > 0).max())
+    tau = cumulative[rho] / (rho + 1)
+    return (x - tau).clamp(min=0)
+
+
+# kind (to_dict's tag) -> set, for from_dict
+SETS: dict[str, type[Constraint]] = {c.KIND: c for c in (L1Ball, L2Ball, LInfBall, LpBall, KSparsePolytope, Simplex,
+                                                         NonnegativeL1Ball, NuclearNormBall)}
+
+
+def from_dict(spec: object) -> Constraint:
     """The constraint that ``to_dict`` described (what an optimizer's ``state_dict`` holds).
 
     Raises ``ValueError`` naming what does not fit: not a dict, an unknown ``kind``, unknown keys, or
     values the constructor refuses.
     """
-    if not isinstance(spec, dict) or spec.get("kind") != KIND_L1_BALL:
+    if not isinstance(spec, dict) or spec.get("kind") not in SETS:
         described = f"kind {spec.get('kind')!r}" if isinstance(spec, dict) else type(spec).__name__
-        raise ValueError(f"constraint must be a dict {{'kind': {KIND_L1_BALL!r}, 'radius': ..., 'scope': ..., "
-                         f"'relative_scale': ...}} (L1Ball.to_dict()), got {described}")
-    unknown = sorted(set(spec) - {"kind", "radius", "scope", "relative_scale"})
+        raise ValueError(f"constraint must be a dict {{'kind': ..., 'radius': ..., 'scope': ..., 'relative_scale': "
+                         f"...}} (a constraint's to_dict()) with kind one of {sorted(SETS)}, got {described}")
+    cls = SETS[spec["kind"]]
+    own = {k for k in cls.PARAMS if k in spec}
+    known = {"kind", "radius", "scope", "relative_scale", "rule", *cls.PARAMS}
+    unknown = sorted(set(spec) - known)
     if unknown:
-        raise ValueError(f"constraint {spec!r} has unknown keys {unknown}; an L1 ball has radius, scope and "
-                         f"relative_scale")
+        raise ValueError(f"constraint {spec!r} has unknown keys {unknown}; a {cls.NAME} has "
+                         f"{', '.join(sorted(known - {'kind'}))}")
     try:
-        return L1Ball(spec.get("radius"), scope=spec.get("scope", "tensor"), _relative_scale=spec.get("relative_scale"))
+        return cls(spec.get("radius"), scope=spec.get("scope", "tensor"), _relative_scale=spec.get("relative_scale"),
+                   _rule=spec.get("rule", "relative_to_init"), **{k: spec[k] for k in own})
     except (TypeError, ValueError) as err:
-        raise ValueError(f"constraint {spec!r} is not a valid L1 ball: {err}") from None
+        raise ValueError(f"constraint {spec!r} is not a valid {cls.NAME}: {err}") from None

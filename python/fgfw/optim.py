@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _ops, activity, constraints, distributed, forward_grad, reference, schedules
-from .constraints import L1Ball, _user_stacklevel
+from .constraints import Constraint, L1Ball, _user_stacklevel
 
 STATE_KEY = "fgfw"
 # "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
@@ -66,7 +66,7 @@ def _row_radii(radii: list) -> list[tuple]:
     return [tuple(r) for r in radii]
 
 
-def _check_radii(constraint: L1Ball, params: list[torch.Tensor], radii: object, where: str) -> None:
+def _check_radii(constraint: Constraint, params: list[torch.Tensor], radii: object, where: str) -> None:
     """``radii`` must fit ``constraint`` over ``params``: one radius for a global ball, one per tensor, or one
     list per tensor with one radius per row (scope "row"); each finite and > 0."""
     def numbers(values, expected: int, what: str) -> None:
@@ -115,7 +115,7 @@ class _Call:
     steps and with what constants. Only the gradients, the schedule and the gap are made per step."""
 
     __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
-                 "radii", "starts", "row_numel", "halves", "zero_grads")
+                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint")
 
     def __init__(self, device, dtype, backend, momentum, global_ball, group):
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -130,6 +130,7 @@ class _Call:
         self.halves: list[tuple[torch.Tensor, torch.Tensor]] = []
         # a global ball's parameters without a gradient: a zero gradient (its update scales every parameter)
         self.zero_grads: dict[int, torch.Tensor] = {}
+        self.constraint: Constraint | None = None  # a set other than the L1 ball: stepped by its vertex
 
 
 class _Plan:
@@ -152,8 +153,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
     # the group entries that hold schedules (state_dict saves a callable as a marker, see schedules.to_state)
     _SCHEDULE_KEYS: tuple[str, ...] = ("step_size",)
 
-    def __init__(self, params, defaults: dict, *, constraint: L1Ball, backend: str | None, check_finite: bool):
-        if not isinstance(constraint, L1Ball):
+    def __init__(self, params, defaults: dict, *, constraint: Constraint, backend: str | None, check_finite: bool):
+        if not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
                             f"got {type(constraint).__name__}")
         # k of the last step taken (the next step is k + 1): a tensor advanced in place on the device of the
@@ -226,10 +227,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         constraint = group["constraint"]
-        if not isinstance(constraint, L1Ball):
-            raise TypeError(f"constraint must be an fgfw.L1Ball, got {type(constraint).__name__}")
+        if not isinstance(constraint, Constraint):
+            raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), got "
+                            f"{type(constraint).__name__}")
         if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
-            raise ValueError("an L1Ball with scope='global' cannot mix float64 with other params (one compute dtype "
+            raise ValueError(f"a {type(constraint).__name__} with scope='global' cannot mix float64 with other params (one compute dtype "
                              f"per ball), got {sorted(map(str, {p.dtype for p in params}))}; split them into groups")
         self._check_group_hyperparameters(group)
         if params:
@@ -272,7 +274,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         """The optimizer's state in plain types only (numbers, strings, lists, dicts and tensors), so that
         ``torch.load`` reads it with its default ``weights_only=True``.
 
-        Each group's constraint is saved as ``L1Ball.to_dict()``. A callable schedule (``step_size`` or
+        Each group's constraint is saved as its ``to_dict()``. A callable schedule (``step_size`` or
         ``averaging_weight``) cannot be saved: it is recorded as ``{"kind": "callable", "name": ...}`` and
         the optimizer that loads the state must be built with that callable (see :meth:`load_state_dict`).
         Schedule names and numbers are saved as they are.
@@ -309,7 +311,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 raise ValueError(f"{where} has no {missing}: it was saved by another kind of optimizer than "
                                  f"{type(self).__name__}")
             constraint = saved["constraint"]
-            if not isinstance(constraint, L1Ball):  # an older checkpoint, read with weights_only=False, has the object
+            if not isinstance(constraint, Constraint):  # an older checkpoint, read with weights_only=False, has the object
                 constraint = constraints.from_dict(constraint)
             new = dict(saved, constraint=constraint, backend=group["backend"])
             for key in self._SCHEDULE_KEYS:
@@ -471,8 +473,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             device = params[0].device
             momentum = self._uses_momentum(group)
             tangent_backends.setdefault(device, _ops.resolve_backend(group["backend"], device))
+            # the L1 ball steps in the fused kernels; another set steps in torch ops through its vertex
+            # (reference.fw_step_), in calls of its own for each constraint object
+            fused = isinstance(constraint, L1Ball)
             shared = (_ops.resolve_backend(group["backend"], device), momentum,
-                      id(group) if constraint.global_ball else None, self._schedule_key(group))
+                      id(group) if constraint.global_ball else None if fused else id(constraint),
+                      self._schedule_key(group))
             for i, p in enumerate(params):
                 # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
                 if not takes_part[i] or not p.numel():
@@ -482,6 +488,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if call is None:
                     call = calls[(device, dtype, *shared)] = _Call(device, dtype, shared[0], momentum,
                                                                      constraint.global_ball, group)
+                    call.constraint = None if fused else constraint
                     if constraint.global_ball:
                         call.radii = [float(r) for r in group["radii"]]
                 if constraint.global_ball and self._missing_gradient(p):
@@ -590,9 +597,14 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self._make_state(call)
                 plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
-            _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
-                             coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
-                             backend=call.backend, row_numel=call.row_numel, prepared=True)
+            if call.constraint is not None:
+                reference.fw_step_(call.constraint.vertex, call.targets, call.moms,
+                                   grads[c] if grads is not None else [], schedule[c], coeffs_on[device], call.radii,
+                                   call.global_ball, call.starts, seed, distribution, gap, call.row_numel)
+            else:
+                _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
+                                 coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
+                                 backend=call.backend, row_numel=call.row_numel, prepared=True)
             if call.halves:
                 # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
                 torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])
@@ -633,7 +645,7 @@ class FrankWolfe(_FrankWolfeBase):
     ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor).
     """
 
-    def __init__(self, params: Iterable, *, constraint: L1Ball, step_size: schedules.Schedule = "2/(k+2)",
+    def __init__(self, params: Iterable, *, constraint: Constraint, step_size: schedules.Schedule = "2/(k+2)",
                  momentum: float | None = None, backend: str | None = None, check_finite: bool = True):
         super().__init__(params, dict(step_size=step_size, momentum=momentum), constraint=constraint,
                          backend=backend, check_finite=check_finite)
@@ -689,7 +701,7 @@ class FrankWolfe(_FrankWolfeBase):
 class _ForwardGradientFrankWolfe(_FrankWolfeBase):
     """FGFW and AFGFW: the gradient estimate comes from forward-mode directional derivatives."""
 
-    def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: L1Ball,
+    def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: Constraint,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
                  check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool,
                  process_group: object = distributed.AUTO, check_replicas_every: int = 0):
@@ -948,7 +960,7 @@ class FGFW(_ForwardGradientFrankWolfe):
             (0: never; each check is one small all-gather and a host read).
     """
 
-    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
+    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,
                  step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
                  check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
@@ -979,7 +991,7 @@ class AFGFW(_ForwardGradientFrankWolfe):
     momentum v is kept in float32 for float16/bfloat16 parameters. Other arguments as in :class:`FGFW`.
     """
 
-    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: L1Ball,
+    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,
                  step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,

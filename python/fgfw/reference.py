@@ -21,7 +21,7 @@ counter = (q lo, q hi, step, tangent_id) with q = i // 4 and takes word i % 4.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -225,6 +225,65 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
             if length:
                 d_ball = directions[t][start:start + length]
                 total_gap += vertex_update(t, start + int(torch.argmax(d_ball.abs())), r)
+    gap.fill_(total_gap)
+
+
+def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tensor], params: Sequence[torch.Tensor],
+             momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], schedule: torch.Tensor,
+             tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int,
+             distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = ()) -> None:
+    """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
+    by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
+    ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
+    "tensor", ``(n,)`` for a row or the global ball). Directions, momentum, balls, radii, the
+    theta update (keep theta + alpha_vertex s, step_factors) and the gap <d, theta - s> are the L1 step's.
+    With the L1 vertex it gives the L1 step's values (tests/test_constraints.py).
+    """
+    step, alpha, gamma = (float(x) for x in schedule.tolist())
+    step = int(step)
+    if not grads and len(offsets) != len(params):
+        raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
+                         f"gradient, got {len(offsets)}")
+    balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
+    if len(radii) != (1 if global_ball else len(balls)):
+        raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
+    directions = []
+    for t, p in enumerate(params):
+        cdt = compute_dtype(p.dtype)
+        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if not grads else 0,
+                      distribution)
+        if momentum:
+            v = momentum[t].view(-1)
+            gamma_c = torch.tensor(gamma, dtype=cdt)
+            v.copy_((1 - gamma_c) * v + gamma_c * g)
+            g = v.clone()
+        directions.append(g)
+    # the vertex of every ball, at the old theta
+    vertices = [torch.zeros_like(d) for d in directions]
+    if global_ball:
+        live = [t for t, d in enumerate(directions) if d.numel()]
+        if live:
+            d_all = torch.cat([directions[t].double() for t in live])
+            s_all = vertex(d_all, radii[0], (d_all.numel(),))
+            at = 0
+            for t in live:
+                n = directions[t].numel()
+                vertices[t] = s_all[at:at + n].to(directions[t].dtype)
+                at += n
+    else:
+        for (t, start, length), r in zip(balls, radii):
+            if length:
+                shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) \
+                    else tuple(params[t].shape)
+                vertices[t][start:start + length] = vertex(directions[t][start:start + length], r, shape)
+    total_gap = 0.0
+    for t, p in enumerate(params):
+        cdt = compute_dtype(p.dtype)
+        d, s_t = directions[t], vertices[t]
+        theta = p.reshape(-1).to(cdt)
+        total_gap += float((d.double() * (theta.double() - s_t.double())).sum())
+        keep, alpha_vertex = step_factors(alpha, cdt)
+        p.copy_((keep * theta + alpha_vertex * s_t).reshape(p.shape).to(p.dtype))
     gap.fill_(total_gap)
 
 
