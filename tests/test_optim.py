@@ -302,6 +302,33 @@ def test_schedule_callable_out_of_range_is_caught_before_the_update():
         assert torch.equal(value, before[key])
 
 
+@pytest.mark.parametrize("name", sorted(fgfw.schedules.NAMED))
+def test_named_schedules_give_the_same_bits_on_the_host_and_as_tensors(name):
+    """The CPU step evaluates a named schedule on the host, a GPU or compiled step on a float64 tensor."""
+    closed_form = {"2/(k+2)": lambda k: 2 / (k + 2), "1/k": lambda k: 1 / k, "1/sqrt(k)": lambda k: 1 / math.sqrt(k),
+                   "4/(k+8)^(2/3)": lambda k: 4 / (k + 8) ** (2 / 3)}[name]
+    for k in [1, 2, 3, 10, 1000, 123457, 2**31 + 11]:
+        host = fgfw.schedules.evaluate(name, k, "step_size")
+        tensor = float(fgfw.schedules.evaluate(name, torch.tensor(float(k), dtype=torch.float64), "step_size"))
+        assert host == tensor == closed_form(k) and 0 < host <= 1
+
+
+def test_the_momentum_rule_of_stochastic_frank_wolfe_as_averaging_weight():
+    """averaging_weight="4/(k+8)^(2/3)" steps exactly as the constants 4/9^(2/3), 4/10^(2/3), ... do."""
+    x, y = batch()
+    runs = []
+    for weights in ("4/(k+8)^(2/3)", [4 / (k + 8) ** (2 / 3) for k in (1, 2, 3)]):
+        model = mlp()
+        opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=10.0), seed=0, step_size=0.1,
+                         averaging_weight=weights if isinstance(weights, str) else weights[0])
+        for k in range(3):
+            if not isinstance(weights, str):
+                opt.param_groups[0]["averaging_weight"] = weights[k]
+            opt.step(lambda: F.cross_entropy(model(x), y))
+        runs.append([opt.state[p]["momentum"].clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_step_needs_a_closure():
     opt = fgfw.FGFW(mlp(), constraint=fgfw.L1Ball(radius=10.0), seed=0)
     with pytest.raises(TypeError, match="closure"):

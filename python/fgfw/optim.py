@@ -528,8 +528,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
         On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
         GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
-        no host-to-device copy nor synchronisation, so that a step can be captured. Both give the same bits
-        (the named schedules are correctly rounded either way)."""
+        no host-to-device copy nor synchronisation, so that a step can be captured. On the CPU both give the
+        same bits: the named schedules are correctly rounded (+, /, sqrt) or use libm's pow either way."""
         host_k = int(k) if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
         device_k = None
         made: dict[tuple, torch.Tensor] = {}
@@ -633,7 +633,10 @@ class FrankWolfe(_FrankWolfeBase):
         constraint: the feasible set, e.g. ``fgfw.L1Ball(radius=...)``.
         step_size: alpha_k (schedule name, constant or callable; default ``"2/(k+2)"``; a callable is not
             saved by ``state_dict``, see :meth:`state_dict`).
-        momentum: rho in [0, 1), or None for none (0 also means none).
+        momentum: rho in [0, 1), or None for none (0 also means none). rho weighs the OLD momentum:
+            ``v = rho v + (1 - rho) g`` (torch.optim.SGD's ``momentum`` weighs the old buffer too, but adds
+            the whole gradient; other Frank-Wolfe libraries call the new gradient's weight "momentum").
+            The new gradient's weight ``1 - rho`` is AFGFW's ``averaging_weight`` gamma.
         backend: ``"cuda" | "triton" | "cpu" | "torch" | "auto"`` (default: $FGFW_BACKEND, else auto).
         check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync;
             under torch.compile a graph break, so ``fullgraph=True`` needs ``check_finite=False``).
@@ -987,8 +990,11 @@ class AFGFW(_ForwardGradientFrankWolfe):
         \theta_{k+1} &= (1-\alpha_k)\,\theta_k + \alpha_k s_k
 
     Defaults are the paper's schedules, alpha_k = 1/k and gamma_k = 1/sqrt(k) (k counts steps from 1;
-    note alpha_1 = 1 replaces theta by a vertex at the first step). ``averaging_weight`` is gamma_k; the
-    momentum v is kept in float32 for float16/bfloat16 parameters. Other arguments as in :class:`FGFW`.
+    note alpha_1 = 1 replaces theta by a vertex at the first step). ``averaging_weight`` is gamma_k, the
+    weight of the NEW estimate (``v = (1 - gamma) v + gamma g_hat``; FrankWolfe's ``momentum`` rho is the
+    weight of the old one, rho = 1 - gamma); ``"4/(k+8)^(2/3)"`` is stochastic Frank-Wolfe's momentum rule
+    in this convention. The momentum v is kept in float32 for float16/bfloat16 parameters. Other arguments
+    as in :class:`FGFW`.
     """
 
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,

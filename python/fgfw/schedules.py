@@ -2,8 +2,10 @@
 
 A schedule is given as one of:
 
-* a name from the paper: ``"2/(k+2)"`` (Algorithm 1), ``"1/k"`` (Algorithm 2's alpha_k),
-  ``"1/sqrt(k)"`` (Algorithm 2's gamma_k);
+* a name: ``"2/(k+2)"`` (Algorithm 1), ``"1/k"`` (Algorithm 2's alpha_k), ``"1/sqrt(k)"`` (Algorithm 2's
+  gamma_k), ``"4/(k+8)^(2/3)"`` (the momentum weight of stochastic Frank-Wolfe with momentum, Mokhtari,
+  Hassani and Karbasi 2018: rho_k = 1 - 4/(k+8)^(2/3) in their notation, i.e. the weight of the new
+  gradient; as ``averaging_weight`` of AFGFW it is gamma_k);
 * a constant in (0, 1];
 * a callable ``k -> value`` (checked to lie in [0, 1] at every step). A callable is code, not data: an
   optimizer's ``state_dict`` cannot save it (``torch.load`` refuses code under its default
@@ -26,11 +28,18 @@ def _sqrt(k):
     return k.sqrt() if isinstance(k, torch.Tensor) else math.sqrt(k)
 
 
+def _two_thirds_power(k):
+    # pow is not correctly rounded, but a 0-dim float64 tensor and a Python float both call libm's pow on
+    # the CPU: the same bits (a GPU's pow may differ in the last bit)
+    return k.pow(2.0 / 3.0) if isinstance(k, torch.Tensor) else k ** (2.0 / 3.0)
+
+
 # Each works on an int k and on a float64 tensor k (see evaluate).
 NAMED = {
     "2/(k+2)": lambda k: 2.0 / (k + 2),
     "1/k": lambda k: 1.0 / k,
     "1/sqrt(k)": lambda k: 1.0 / _sqrt(k),
+    "4/(k+8)^(2/3)": lambda k: 4.0 / _two_thirds_power(k + 8),
 }
 
 
