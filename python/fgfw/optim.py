@@ -581,6 +581,24 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             out.append(grads)
         return out
 
+    @staticmethod
+    def _forward_gradients(call: _Call, coeffs: torch.Tensor, k: torch.Tensor, seed: int,
+                           distribution: int) -> list[torch.Tensor]:
+        """The forward-gradient estimate sum_t coeffs[t] u_t of each tensor of a call stepped in torch ops (a set
+        other than the L1 ball), with the tangents drawn by the call's backend instead of the pure-torch
+        stream that reference.fw_step_ would regenerate them with (the same values; many times faster). The
+        arithmetic is reference.direction's, in the compute dtype, summed in tangent order."""
+        out = []
+        for p, start in zip(call.targets, call.starts):
+            g = None
+            for t in range(coeffs.numel()):
+                u = _ops.fill_tangent_(torch.empty(p.shape, dtype=torch.float32, device=p.device), seed,
+                                       k.to(p.device), t, start, distribution, call.backend)
+                term = coeffs[t].to(call.dtype) * u.to(call.dtype)
+                g = term if g is None else g + term
+            out.append(g)
+        return out
+
     def _apply(self, plan: _Plan, schedule: list[torch.Tensor], k: torch.Tensor, *,
                grads: list[list[torch.Tensor]] | None, tangent_coeffs: torch.Tensor | None, seed: int,
                distribution: int) -> None:
@@ -598,9 +616,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
             if call.constraint is not None:
-                reference.fw_step_(call.constraint.vertex, call.targets, call.moms,
-                                   grads[c] if grads is not None else [], schedule[c], coeffs_on[device], call.radii,
-                                   call.global_ball, call.starts, seed, distribution, gap, call.row_numel)
+                call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
+                                                                                         seed, distribution)
+                reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],
+                                   coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
+                                   gap, call.row_numel)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
