@@ -56,6 +56,15 @@ def _check_radius(radius, name: str = "radius") -> float:
     return float(radius)
 
 
+def _unit_max(d: torch.Tensor) -> torch.Tensor:
+    """d in float64 divided by max |d_i| (d itself when that is 0 or d is empty): entries in [-1, 1], one of
+    them +-1, so that the norms of the vertices neither underflow nor overflow; every vertex is invariant
+    to a positive scale of d."""
+    d64 = d.double()
+    scale = d64.abs().max() if d64.numel() else None
+    return d64 / scale if scale is not None and scale > 0 else d64
+
+
 class Constraint:
     """A convex set applied per ball (see the module docstring); the base of every set.
 
@@ -80,6 +89,11 @@ class Constraint:
     GAUGE = "norm"
     ALLOWED_SCOPES = SCOPES
     PARAMS: tuple[str, ...] = ()  # the set's own constructor keywords (saved by to_dict)
+    # How reference.fw_step_ steps the set: True, keep theta + alpha_vertex s with the feasibility shrink
+    # kappa = 1 - 4u (reference.feasibility_shrink), which keeps rounded iterates inside a set that holds 0
+    # (every norm ball); False, theta + alpha (s - theta) without kappa, for a set on the hyperplane
+    # sum theta = r (the simplex), where kappa pulled the sum below r by (1 - kappa) / alpha relative
+    SHRINK_STEP = True
 
     def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None,
                  _rule: str = "relative_to_init"):
@@ -205,7 +219,15 @@ class Constraint:
         if self.rule == "init_diameter":
             l2 = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
             shape = tuple(tensors[0].shape) if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
-            value, what = 2.0 * self.relative_scale * l2 / self.l2_diameter(shape, 1.0), "L2 norm"
+            unit = self.l2_diameter(shape, 1.0)
+            if not unit > 0:
+                # a ball whose diameter is 0 for every radius (a one-element simplex {r}, an empty tensor):
+                # no radius gives it the diameter of its initial values (this was a ZeroDivisionError)
+                raise ValueError(f"{type(self).__name__}.from_init_diameter cannot set a radius from {where}: a "
+                                 f"{self.NAME} over {math.prod(shape)} element(s) has L2 diameter 0 whatever its "
+                                 f"radius; give it a param group of its own with an explicit radius, e.g. "
+                                 f"{{'params': [...], 'constraint': fgfw.{type(self).__name__}(radius=1.0)}}")
+            value, what = 2.0 * self.relative_scale * l2 / unit, "L2 norm"
             norm = l2
         else:
             norm = self.norm(tensors)
@@ -293,8 +315,11 @@ class L2Ball(Constraint):
         return float(torch.linalg.vector_norm(x))
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(d.double())
-        return torch.zeros_like(d) if norm == 0 else (-radius * d.double() / norm).to(d.dtype)
+        # d / max|d_i| first: the norm squares its entries, which underflow to 0 below ~1e-154 in float64
+        # (giving the zero vector, no minimiser for d != 0) and overflow above ~1e154
+        d64 = _unit_max(d)
+        norm = torch.linalg.vector_norm(d64)
+        return torch.zeros_like(d) if norm == 0 else (-radius * d64 / norm).to(d.dtype)
 
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius
@@ -346,8 +371,10 @@ class LpBall(Constraint):
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         q = self.p / (self.p - 1)
-        d64 = d.double()
-        norm_q = torch.linalg.vector_norm(d64, ord=q)
+        # d / max|d_i| first: ||d||_q takes |d_i|^q, which overflows or underflows for large q (q = 101 for
+        # p = 1.01: any |d_i| > 1e3 gives inf, all |d_i| < 1e-3 give 0) and made the vertex the zero vector
+        d64 = _unit_max(d)
+        norm_q = torch.linalg.vector_norm(d64, ord=q)  # in [1, n^(1/q)]
         if norm_q == 0:
             return torch.zeros_like(d)
         # |d_i / ||d||_q|^(q-1): scaled first, so no power overflows
@@ -409,6 +436,7 @@ class Simplex(Constraint):
     absolute initial values."""
 
     KIND, NAME, GAUGE = "simplex", "simplex", "sum"
+    SHRINK_STEP = False  # sum theta = r is an equality: see Constraint.SHRINK_STEP
 
     def gauge(self, x: torch.Tensor) -> float:
         return float(x.sum()) if not x.numel() or float(x.min()) >= 0 else math.inf
@@ -461,6 +489,7 @@ class NonnegativeL1Ball(Simplex):
     i = argmin d_i when d_i < 0, else 0 (the origin). An infeasible start is clamped at 0, then rescaled."""
 
     KIND, NAME, GAUGE = "nonnegative_l1_ball", "non-negative L1 ball", "sum"
+    SHRINK_STEP = True  # holds 0: kappa keeps sum theta <= r, as in the norm balls
 
     def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
         x = x.detach().reshape(-1).double()
@@ -492,6 +521,12 @@ class NonnegativeL1Ball(Simplex):
 
     def gauge(self, x: torch.Tensor) -> float:
         return float(x.sum()) if not x.numel() or float(x.min()) >= 0 else math.inf
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        # the vertices are 0 and r e_i: sqrt(2) r apart (two of the e_i), or r for one element (the segment
+        # [0, r]; the simplex's rule, inherited before, gave 0 there and from_init_diameter divided by it)
+        n = math.prod(shape)
+        return math.sqrt(2.0) * radius if n > 1 else radius if n == 1 else 0.0
 
     def _moved_message(self, before: float, radius: float, tensors) -> str:
         return (f"initial parameters are not in the non-negative L1 ball {{theta >= 0, sum theta <= {radius:.6g}}}: "
@@ -536,7 +571,9 @@ class NuclearNormBall(Constraint):
         return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
-        m = self._matrix(d.double(), shape)
+        # scaled by 1 / max|d_ij| (the vertex does not change): the row norms square the entries, which
+        # underflowed to 0 for tiny directions (the zero vertex) and overflowed to inf for huge ones (nan)
+        m = self._matrix(_unit_max(d), shape)
         rows = torch.linalg.vector_norm(m, dim=1)
         if float(rows.max()) == 0:
             return torch.zeros_like(d)

@@ -238,6 +238,12 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     "tensor", ``(n,)`` for a row or the global ball). Directions, momentum, balls, radii, the
     theta update (keep theta + alpha_vertex s, step_factors) and the gap <d, theta - s> are the L1 step's.
     With the L1 vertex it gives the L1 step's values (tests/test_constraints.py).
+
+    The vertex is computed from the direction in float64 (the same choice: a float32 direction is exact in
+    float64); the gap uses that vertex, the update its rounding to the compute dtype. Where ``vertex`` is
+    a set's bound method whose set has ``SHRINK_STEP = False`` (the simplex, whose sum theta = r is an
+    equality that kappa would pull the iterate off), the update is theta + alpha (s - theta) instead,
+    without kappa: it keeps sum theta = r up to rounding for any alpha.
     """
     step, alpha, gamma = (float(x) for x in schedule.tolist())
     step = int(step)
@@ -258,8 +264,10 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
             v.copy_((1 - gamma_c) * v + gamma_c * g)
             g = v.clone()
         directions.append(g)
-    # the vertex of every ball, at the old theta
-    vertices = [torch.zeros_like(d) for d in directions]
+    # the vertex of every ball, at the old theta, in float64 (before, a float32 ball's vertex was rounded to
+    # float32 before the gap used it: the gap missed the L1 step's, r |d_i*| with r exact, by ~1e-8 relative;
+    # the global ball was computed in float64 already)
+    vertices = [torch.zeros(d.numel(), dtype=torch.float64, device=d.device) for d in directions]
     if global_ball:
         live = [t for t, d in enumerate(directions) if d.numel()]
         if live:
@@ -268,22 +276,29 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
             at = 0
             for t in live:
                 n = directions[t].numel()
-                vertices[t] = s_all[at:at + n].to(directions[t].dtype)
+                vertices[t] = s_all[at:at + n]
                 at += n
     else:
         for (t, start, length), r in zip(balls, radii):
             if length:
                 shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) \
                     else tuple(params[t].shape)
-                vertices[t][start:start + length] = vertex(directions[t][start:start + length], r, shape)
+                vertices[t][start:start + length] = vertex(directions[t][start:start + length].double(), r, shape)
+    # the simplex: no kappa (see the docstring and constraints.Constraint.SHRINK_STEP)
+    shrink = getattr(getattr(vertex, "__self__", None), "SHRINK_STEP", True)
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
-        d, s_t = directions[t], vertices[t]
+        d, s64 = directions[t], vertices[t]
         theta = p.reshape(-1).to(cdt)
-        total_gap += float((d.double() * (theta.double() - s_t.double())).sum())
-        keep, alpha_vertex = step_factors(alpha, cdt)
-        p.copy_((keep * theta + alpha_vertex * s_t).reshape(p.shape).to(p.dtype))
+        total_gap += float((d.double() * (theta.double() - s64)).sum())
+        s_t = s64.to(cdt)
+        if shrink:
+            keep, alpha_vertex = step_factors(alpha, cdt)
+            new = keep * theta + alpha_vertex * s_t
+        else:
+            new = theta + torch.tensor(alpha, dtype=cdt) * (s_t - theta)
+        p.copy_(new.reshape(p.shape).to(p.dtype))
     gap.fill_(total_gap)
 
 
