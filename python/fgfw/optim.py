@@ -620,7 +620,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                                                                          seed, distribution)
                 reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
-                                   gap, call.row_numel)
+                                   gap, call.row_numel, shrink=call.constraint.SHRINK_STEP)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,

@@ -231,7 +231,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
 def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tensor], params: Sequence[torch.Tensor],
              momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], schedule: torch.Tensor,
              tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int,
-             distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = ()) -> None:
+             distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (), shrink: bool = True) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
@@ -241,9 +241,9 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
 
     The vertex is computed from the direction in float64 (the same choice: a float32 direction is exact in
     float64); the gap uses that vertex, the update its rounding to the compute dtype. Where ``vertex`` is
-    a set's bound method whose set has ``SHRINK_STEP = False`` (the simplex, whose sum theta = r is an
-    equality that kappa would pull the iterate off), the update is theta + alpha (s - theta) instead,
-    without kappa: it keeps sum theta = r up to rounding for any alpha.
+    ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
+    would pull the iterate off), the update is theta + alpha (s - theta) instead, without kappa: it keeps
+    sum theta = r up to rounding for any alpha.
     """
     step, alpha, gamma = (float(x) for x in schedule.tolist())
     step = int(step)
@@ -284,8 +284,6 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
                 shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) \
                     else tuple(params[t].shape)
                 vertices[t][start:start + length] = vertex(directions[t][start:start + length].double(), r, shape)
-    # the simplex: no kappa (see the docstring and constraints.Constraint.SHRINK_STEP)
-    shrink = getattr(getattr(vertex, "__self__", None), "SHRINK_STEP", True)
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
