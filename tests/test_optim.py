@@ -404,3 +404,57 @@ def test_other_sets_draw_their_tangents_with_the_backend_and_match_the_reference
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
+
+
+# -- rescaled steps: a step per ball -------------------------------------------------------------------------
+def _one_rescaled_step(constraint, rescale, theta0, grad, alpha):
+    theta = torch.nn.Parameter(theta0.clone())
+    opt = fgfw.FrankWolfe([theta], constraint=constraint, step_size=alpha, rescale=rescale)
+    theta.grad = grad.clone()
+    opt.step()
+    return theta.detach()
+
+
+@pytest.mark.parametrize("rescale", ["diameter", "gradient"])
+@pytest.mark.parametrize("constraint", [fgfw.L2Ball(radius=2.0), fgfw.LInfBall(radius=0.5), fgfw.L1Ball(radius=3.0),
+                                        fgfw.KSparsePolytope(radius=0.5, k=3)])
+def test_a_rescaled_step_moves_each_ball_by_its_own_step(constraint, rescale):
+    gen = torch.Generator().manual_seed(5)
+    theta0 = torch.randn(4, 6, generator=gen, dtype=torch.float64) * 0.01  # inside every ball above
+    grad = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    alpha = 0.3
+    s = constraint.vertex(grad.reshape(-1), constraint.radius, (4, 6)).reshape(4, 6)
+    if rescale == "diameter":
+        step = min(alpha / constraint.l2_diameter((4, 6), constraint.radius), 1.0)
+    else:
+        step = min(alpha * float(grad.norm()) / float((theta0 - s).norm()), 1.0)
+    assert step != alpha  # the rescaling changes the step here
+    expected = (1 - step) * theta0 + step * s
+    got = _one_rescaled_step(constraint, rescale, theta0, grad, alpha)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_row_balls_are_rescaled_one_by_one():
+    constraint = fgfw.L2Ball(radius=1.0, scope="row")
+    gen = torch.Generator().manual_seed(6)
+    theta0 = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.01
+    grad = torch.randn(3, 5, generator=gen, dtype=torch.float64) * torch.tensor([[0.1], [1.0], [10.0]],
+                                                                               dtype=torch.float64)
+    alpha = 0.05
+    got = _one_rescaled_step(constraint, "gradient", theta0, grad, alpha)
+    for i in range(3):
+        s = constraint.vertex(grad[i], 1.0, (5,))
+        step = min(alpha * float(grad[i].norm()) / float((theta0[i] - s).norm()), 1.0)
+        torch.testing.assert_close(got[i], (1 - step) * theta0[i] + step * s, rtol=1e-12, atol=1e-15)
+
+
+def test_rescale_is_checked_and_saved():
+    theta = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="rescale must be None or one of"):
+        fgfw.FrankWolfe([theta], constraint=fgfw.L2Ball(radius=1.0), rescale="lipschitz")
+    opt = fgfw.FrankWolfe([theta], constraint=fgfw.L2Ball(radius=1.0), rescale="diameter")
+    state = opt.state_dict()
+    assert state["param_groups"][0]["rescale"] == "diameter"
+    del state["param_groups"][0]["rescale"]  # a state saved before rescale existed loads as none
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["rescale"] is None

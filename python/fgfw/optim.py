@@ -153,7 +153,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
     # the group entries that hold schedules (state_dict saves a callable as a marker, see schedules.to_state)
     _SCHEDULE_KEYS: tuple[str, ...] = ("step_size",)
 
-    def __init__(self, params, defaults: dict, *, constraint: Constraint, backend: str | None, check_finite: bool):
+    def __init__(self, params, defaults: dict, *, constraint: Constraint, backend: str | None, check_finite: bool,
+                 rescale: str | None = None):
         if not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
                             f"got {type(constraint).__name__}")
@@ -168,7 +169,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
         self._plan_cache: _Plan | None = None  # see _prepared
-        defaults = dict(defaults, constraint=constraint, backend=backend)
+        defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale)
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is None and self._frozen_left_out:
@@ -245,6 +246,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         schedules.check_schedule(group["step_size"], "step_size")
+        if group["rescale"] is not None and group["rescale"] not in reference.RESCALES:
+            raise ValueError(f"rescale must be None or one of {reference.RESCALES}, got {group['rescale']!r}")
 
     # -- persistence --------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -306,6 +309,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 count = len(saved_params) if isinstance(saved_params, (list, tuple)) else saved_params
                 raise ValueError(f"{where} has {count} parameters, this optimizer's has {len(group['params'])}: it "
                                  f"was saved for other parameters")
+            saved = dict({"rescale": None}, **saved)  # a state saved before rescale existed: none
             missing = [key for key in (*self.defaults, "radii") if key not in saved]
             if missing:
                 raise ValueError(f"{where} has no {missing}: it was saved by another kind of optimizer than "
@@ -425,7 +429,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         for group in self.param_groups:
             constraint = group["constraint"]
             key.append((id(group), tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
-                        self._schedule_key(group), list(group["radii"]), tuple(self._takes_part(group))))
+                        self._schedule_key(group), group["rescale"], list(group["radii"]),
+                        tuple(self._takes_part(group))))
         return key
 
     def _prepared(self) -> _Plan:
@@ -473,12 +478,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             device = params[0].device
             momentum = self._uses_momentum(group)
             tangent_backends.setdefault(device, _ops.resolve_backend(group["backend"], device))
-            # the L1 ball steps in the fused kernels; another set steps in torch ops through its vertex
-            # (reference.fw_step_), in calls of its own for each constraint object
-            fused = isinstance(constraint, L1Ball)
+            # the L1 ball steps in the fused kernels; another set, or a rescaled step (a step per ball), steps in
+            # torch ops through its vertex (reference.fw_step_), in calls of its own for each constraint object
+            fused = isinstance(constraint, L1Ball) and group["rescale"] is None
             shared = (_ops.resolve_backend(group["backend"], device), momentum,
                       id(group) if constraint.global_ball else None if fused else id(constraint),
-                      self._schedule_key(group))
+                      self._schedule_key(group), group["rescale"])
             for i, p in enumerate(params):
                 # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
                 if not takes_part[i] or not p.numel():
@@ -620,7 +625,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                                                                          seed, distribution)
                 reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
-                                   gap, call.row_numel, shrink=call.constraint.SHRINK_STEP)
+                                   gap, call.row_numel, shrink=call.constraint.SHRINK_STEP,
+                                   rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
@@ -657,6 +663,11 @@ class FrankWolfe(_FrankWolfeBase):
             ``v = rho v + (1 - rho) g`` (torch.optim.SGD's ``momentum`` weighs the old buffer too, but adds
             the whole gradient; other Frank-Wolfe libraries call the new gradient's weight "momentum").
             The new gradient's weight ``1 - rho`` is AFGFW's ``averaging_weight`` gamma.
+        rescale: None (default: every ball steps by alpha_k), ``"diameter"`` (each ball by
+            ``min(alpha_k / D, 1)``, D its L2 diameter: a step moves theta by at most alpha_k, whatever the
+            set's size) or ``"gradient"`` (``min(alpha_k ||d|| / ||theta - s||, 1)`` per ball: the step's
+            length is alpha_k ||d||, as SGD's with learning rate alpha_k). A rescaled step, even on the L1
+            ball, runs in torch ops (reference.fw_step_), not in the fused kernels.
         backend: ``"cuda" | "triton" | "cpu" | "torch" | "auto"`` (default: $FGFW_BACKEND, else auto).
         check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync;
             under torch.compile a graph break, so ``fullgraph=True`` needs ``check_finite=False``).
@@ -669,9 +680,10 @@ class FrankWolfe(_FrankWolfeBase):
     """
 
     def __init__(self, params: Iterable, *, constraint: Constraint, step_size: schedules.Schedule = "2/(k+2)",
-                 momentum: float | None = None, backend: str | None = None, check_finite: bool = True):
+                 momentum: float | None = None, rescale: str | None = None, backend: str | None = None,
+                 check_finite: bool = True):
         super().__init__(params, dict(step_size=step_size, momentum=momentum), constraint=constraint,
-                         backend=backend, check_finite=check_finite)
+                         backend=backend, check_finite=check_finite, rescale=rescale)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)
@@ -727,7 +739,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
     def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: Constraint,
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
                  check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool,
-                 process_group: object = distributed.AUTO, check_replicas_every: int = 0):
+                 process_group: object = distributed.AUTO, check_replicas_every: int = 0,
+                 rescale: str | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -777,7 +790,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.engine = engine
         self.estimator = estimator
         self.recompute_inputs = bool(recompute_inputs)
-        super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite)
+        super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite,
+                         rescale=rescale)
         module_params = {id(p) for p in module.parameters()}
         for group in self.param_groups:
             for p in group["params"]:
@@ -978,6 +992,7 @@ class FGFW(_ForwardGradientFrankWolfe):
             derivatives and the rank's batch weight (8 (K + 1) bytes; the activity estimator: its dense
             estimate) and every rank applies the same update: the replicas stay bit-identical. Buffers
             (e.g. BatchNorm statistics) are not synchronised.
+        rescale: as in :class:`FrankWolfe`.
         check_replicas_every: with a process group, every this many steps compare a checksum of the
             parameters' bits across ranks and raise ``RuntimeError`` naming the step if they differ
             (0: never; each check is one small all-gather and a host read).
@@ -988,12 +1003,12 @@ class FGFW(_ForwardGradientFrankWolfe):
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
                  check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
                  recompute_inputs: bool = False, process_group: object = distributed.AUTO,
-                 check_replicas_every: int = 0):
+                 check_replicas_every: int = 0, rescale: str | None = None):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
                          check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator,
                          recompute_inputs=recompute_inputs, process_group=process_group,
-                         check_replicas_every=check_replicas_every)
+                         check_replicas_every=check_replicas_every, rescale=rescale)
         if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
             # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
             warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
@@ -1022,12 +1037,12 @@ class AFGFW(_ForwardGradientFrankWolfe):
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
                  estimator: str = "weight", recompute_inputs: bool = False, process_group: object = distributed.AUTO,
-                 check_replicas_every: int = 0):
+                 check_replicas_every: int = 0, rescale: str | None = None):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
                          estimator=estimator, recompute_inputs=recompute_inputs, process_group=process_group,
-                         check_replicas_every=check_replicas_every)
+                         check_replicas_every=check_replicas_every, rescale=rescale)
 
     _SCHEDULE_KEYS = ("step_size", "averaging_weight")
 

@@ -231,7 +231,9 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
 def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tensor], params: Sequence[torch.Tensor],
              momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], schedule: torch.Tensor,
              tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int,
-             distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (), shrink: bool = True) -> None:
+             distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (), shrink: bool = True,
+             rescale: str | None = None,
+             l2_diameter: Callable[[tuple[int, ...], float], float] | None = None) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
@@ -244,6 +246,12 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
     would pull the iterate off), the update is theta + alpha (s - theta) instead, without kappa: it keeps
     sum theta = r up to rounding for any alpha.
+
+    ``rescale`` gives each ball its own step, computed in float64 from alpha = alpha_k (RESCALES):
+    ``"diameter"``: ``min(alpha / D, 1)`` with D = ``l2_diameter(shape, r)`` the ball's L2 diameter (a
+    step then moves theta by at most alpha in L2, whatever the set's size); ``"gradient"``:
+    ``min(alpha ||d|| / ||theta - s||, 1)`` over the ball (the step's length is alpha ||d||, as SGD's with
+    learning rate alpha, until it reaches the vertex). A degenerate ball (D = 0, or theta = s) keeps alpha.
     """
     step, alpha, gamma = (float(x) for x in schedule.tolist())
     step = int(step)
@@ -284,6 +292,8 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
                 shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) \
                     else tuple(params[t].shape)
                 vertices[t][start:start + length] = vertex(directions[t][start:start + length].double(), r, shape)
+    steps = None if rescale is None else _rescaled_steps(rescale, alpha, params, directions, vertices, balls, radii,
+                                                         global_ball, row_numel, l2_diameter)
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
@@ -291,13 +301,51 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
         theta = p.reshape(-1).to(cdt)
         total_gap += float((d.double() * (theta.double() - s64)).sum())
         s_t = s64.to(cdt)
+        a = torch.tensor(alpha, dtype=cdt) if steps is None else steps[t].to(cdt)  # a step per element
         if shrink:
-            keep, alpha_vertex = step_factors(alpha, cdt)
-            new = keep * theta + alpha_vertex * s_t
+            kappa = torch.tensor(feasibility_shrink(cdt), dtype=cdt)
+            new = (1 - a) * kappa * theta + a * kappa * s_t  # step_factors, per element where rescaled
         else:
-            new = theta + torch.tensor(alpha, dtype=cdt) * (s_t - theta)
+            new = theta + a * (s_t - theta)
         p.copy_(new.reshape(p.shape).to(p.dtype))
     gap.fill_(total_gap)
+
+
+RESCALES = ("diameter", "gradient")
+
+
+def _rescaled_steps(rescale: str, alpha: float, params, directions, vertices, balls, radii, global_ball: bool,
+                    row_numel, l2_diameter) -> list[torch.Tensor]:
+    """fw_step_'s step of every element (float64, per tensor): each ball's rescaled alpha (see fw_step_)."""
+    if rescale not in RESCALES:
+        raise ValueError(f"rescale must be None or one of {RESCALES}, got {rescale!r}")
+    if rescale == "diameter" and l2_diameter is None:
+        raise ValueError("rescale='diameter' needs the set's l2_diameter")
+    steps = [torch.full((d.numel(),), alpha, dtype=torch.float64, device=d.device) for d in directions]
+
+    def ball_step(d: torch.Tensor, theta: torch.Tensor, s: torch.Tensor, shape, r: float) -> float:
+        if rescale == "diameter":
+            diameter = l2_diameter(shape, r)
+            return min(alpha / diameter, 1.0) if diameter > 0 else alpha
+        distance = float(torch.linalg.vector_norm(theta - s))
+        return min(alpha * float(torch.linalg.vector_norm(d)) / distance, 1.0) if distance > 0 else alpha
+
+    if global_ball:
+        live = [t for t, d in enumerate(directions) if d.numel()]
+        if live:
+            cat = lambda xs: torch.cat([xs[t].double().reshape(-1) for t in live])  # noqa: E731
+            a = ball_step(cat(directions), cat([p.detach() for p in params]), cat(vertices),
+                          (sum(directions[t].numel() for t in live),), radii[0])
+            for t in live:
+                steps[t].fill_(a)
+        return steps
+    for (t, start, length), r in zip(balls, radii):
+        if length:
+            shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) else tuple(params[t].shape)
+            ball = slice(start, start + length)
+            steps[t][ball] = ball_step(directions[t][ball].double(), params[t].detach().reshape(-1)[ball].double(),
+                                       vertices[t][ball], shape, r)
+    return steps
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
