@@ -791,3 +791,45 @@ def test_float32_simplex_iterates_keep_their_sum(step_size):
         theta.grad = torch.randn(10, generator=g)
         opt.step()
         assert in_set("simplex", theta, 2.0, rtol=1e-6), f"step {step}: sum {float(theta.detach().double().sum())}"
+
+
+# -- batched row vertices ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("constraint", [fgfw.L1Ball(1.0), fgfw.L2Ball(1.0), fgfw.LInfBall(1.0), fgfw.LpBall(1.0, p=3),
+                                        fgfw.KSparsePolytope(1.0, k=3), fgfw.Simplex(1.0), fgfw.NonnegativeL1Ball(1.0)],
+                         ids=lambda c: type(c).__name__)
+def test_row_vertices_are_the_vertices_of_each_row(constraint):
+    gen = torch.Generator().manual_seed(21)
+    d = torch.randn(7, 9, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, 7, dtype=torch.float64)[:, None]
+    d[2] = 0.0  # a zero row
+    d[3, :4] = 0.5  # ties
+    d[4] = d[4].abs()  # all positive (the non-negative ball's vertex is the origin)
+    radii = torch.linspace(0.5, 2.0, 7, dtype=torch.float64)
+    batched = constraint.row_vertices(d, radii)
+    for b in range(7):
+        one = constraint.vertex(d[b], float(radii[b]), (9,))
+        # equal where no norm is taken; within rounding where one is (a batched and a single reduction)
+        torch.testing.assert_close(batched[b], one, rtol=1e-14, atol=0)
+        assert torch.equal(torch.sign(batched[b]), torch.sign(one))
+
+
+@pytest.mark.parametrize("constraint", [fgfw.L1Ball(0.7, scope="row"), fgfw.L2Ball(0.7, scope="row"),
+                                        fgfw.KSparsePolytope(0.2, k=2, scope="row")], ids=lambda c: type(c).__name__)
+def test_fw_step_with_row_vertices_steps_as_per_row_vertices(constraint):
+    gen = torch.Generator().manual_seed(22)
+    shapes = [(5, 4), (5,), (3, 2, 2)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.01 for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    row_numel = [4, 0, 4]
+    radii = [0.7] * 5 + [0.9] + [0.5] * 3
+    results = []
+    for batched in (True, False):
+        ps, moms = [p.clone() for p in params], [torch.zeros_like(p) for p in params]
+        gap = torch.zeros((), dtype=torch.float64)
+        schedule = torch.tensor([1.0, 0.3, 0.5], dtype=torch.float64)
+        reference.fw_step_(constraint.vertex, ps, moms, grads, schedule, torch.zeros(0, dtype=torch.float64), radii,
+                           False, [0, 0, 0], 0, 0, gap, row_numel,
+                           row_vertices=constraint.row_vertices if batched else None)
+        results.append((ps, moms, float(gap)))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-300)
+    assert results[0][2] == pytest.approx(results[1][2], rel=1e-12)

@@ -56,6 +56,15 @@ def _check_radius(radius, name: str = "radius") -> float:
     return float(radius)
 
 
+def _unit_max_rows(d: torch.Tensor) -> torch.Tensor:
+    """_unit_max of every row of the (B, n) tensor d."""
+    d64 = d.double()
+    if not d64.numel():
+        return d64
+    scale = d64.abs().amax(dim=1, keepdim=True)
+    return d64 / torch.where(scale > 0, scale, 1.0)
+
+
 def _unit_max(d: torch.Tensor) -> torch.Tensor:
     """d in float64 divided by max |d_i| (d itself when that is 0 or d is empty): entries in [-1, 1], one of
     them +-1, so that the norms of the vertices neither underflow nor overflow; every vertex is invariant
@@ -175,6 +184,14 @@ class Constraint:
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         """``max ||s - s'||_2`` over the ball of radius r (for :meth:`from_init_diameter`)."""
         raise NotImplementedError
+
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        """The vertices of B balls of n elements at once (scope "row"): ``d`` of shape (B, n) in float64,
+        ``radii`` of shape (B,); row b of the result is ``vertex(d[b], radii[b], (n,))`` (equal where no sum is
+        taken, within rounding where a norm is). This default calls :meth:`vertex` per row; the sets
+        override it with one batched computation (a 1024-wide layer has 1024 rows per step)."""
+        return torch.stack([self.vertex(row, float(r), (row.numel(),)) for row, r in zip(d, radii.tolist())]) \
+            if d.shape[0] else d.clone()
 
     def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
         """Whether x (any shape) lies in the ball of radius r, up to a relative tolerance."""
@@ -297,6 +314,13 @@ class L1Ball(Constraint):
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return reference.l1_lmo(d, radius)
 
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros_like(d)
+        if d.numel():
+            i = torch.argmax(d.abs(), dim=1, keepdim=True)  # the first maximum: the lowest index wins ties
+            s.scatter_(1, i, -radii.to(d.dtype).unsqueeze(1) * torch.sign(d.gather(1, i)))
+        return s
+
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius if math.prod(shape) > 0 else 0.0
 
@@ -321,6 +345,12 @@ class L2Ball(Constraint):
         norm = torch.linalg.vector_norm(d64)
         return torch.zeros_like(d) if norm == 0 else (-radius * d64 / norm).to(d.dtype)
 
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        d64 = _unit_max_rows(d)
+        norm = torch.linalg.vector_norm(d64, dim=1, keepdim=True)
+        s = -radii.to(torch.float64).unsqueeze(1) * d64 / torch.where(norm == 0, 1.0, norm)
+        return s.to(d.dtype)  # a zero row stays 0
+
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius
 
@@ -336,6 +366,9 @@ class LInfBall(Constraint):
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return -radius * torch.sign(d)
+
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        return -radii.to(d.dtype).unsqueeze(1) * torch.sign(d)
 
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius * math.sqrt(math.prod(shape))
@@ -379,6 +412,14 @@ class LpBall(Constraint):
             return torch.zeros_like(d)
         # |d_i / ||d||_q|^(q-1): scaled first, so no power overflows
         return (-radius * torch.sign(d64) * (d64.abs() / norm_q).pow(q - 1)).to(d.dtype)
+
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        q = self.p / (self.p - 1)
+        d64 = _unit_max_rows(d)
+        norm_q = torch.linalg.vector_norm(d64, ord=q, dim=1, keepdim=True)
+        s = -radii.to(torch.float64).unsqueeze(1) * torch.sign(d64) * \
+            (d64.abs() / torch.where(norm_q == 0, 1.0, norm_q)).pow(q - 1)
+        return s.to(d.dtype)
 
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         n = math.prod(shape)
@@ -424,6 +465,13 @@ class KSparsePolytope(Constraint):
         s[order] = -radius * torch.sign(d[order])
         return s
 
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        k = min(self.k, d.shape[1])
+        order = torch.sort(-d.abs(), dim=1, stable=True).indices[:, :k]
+        s = torch.zeros_like(d)
+        s.scatter_(1, order, -radii.to(d.dtype).unsqueeze(1) * torch.sign(d.gather(1, order)))
+        return s
+
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius * math.sqrt(min(self.k, math.prod(shape)))
 
@@ -457,6 +505,12 @@ class Simplex(Constraint):
         s = torch.zeros_like(d)
         if d.numel():
             s[int(torch.argmin(d))] = radius
+        return s
+
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros_like(d)
+        if d.numel():
+            s.scatter_(1, torch.argmin(d, dim=1, keepdim=True), radii.to(d.dtype).unsqueeze(1))
         return s
 
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
@@ -501,6 +555,13 @@ class NonnegativeL1Ball(Simplex):
             i = int(torch.argmin(d))
             if d[i] < 0:
                 s[i] = radius
+        return s
+
+    def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros_like(d)
+        if d.numel():
+            i = torch.argmin(d, dim=1, keepdim=True)
+            s.scatter_(1, i, torch.where(d.gather(1, i) < 0, radii.to(d.dtype).unsqueeze(1), 0.0))
         return s
 
     def _excess(self, tensors, radius: float) -> float:

@@ -626,7 +626,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
                                    gap, call.row_numel, shrink=call.constraint.SHRINK_STEP,
-                                   rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter)
+                                   rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter,
+                                   row_vertices=call.constraint.row_vertices)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,

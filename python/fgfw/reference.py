@@ -233,7 +233,8 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
              tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int,
              distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (), shrink: bool = True,
              rescale: str | None = None,
-             l2_diameter: Callable[[tuple[int, ...], float], float] | None = None) -> None:
+             l2_diameter: Callable[[tuple[int, ...], float], float] | None = None,
+             row_vertices: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
@@ -246,6 +247,9 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
     would pull the iterate off), the update is theta + alpha (s - theta) instead, without kappa: it keeps
     sum theta = r up to rounding for any alpha.
+
+    ``row_vertices(d_rows, radii)`` (optional, a set's batched vertex): the row balls of each tensor are
+    computed at once, (rows, n) in one call, instead of one ``vertex`` call per row.
 
     ``rescale`` gives each ball its own step, computed in float64 from alpha = alpha_k (RESCALES):
     ``"diameter"``: ``min(alpha / D, 1)`` with D = ``l2_diameter(shape, r)`` the ball's L2 diameter (a
@@ -286,6 +290,19 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
                 n = directions[t].numel()
                 vertices[t] = s_all[at:at + n]
                 at += n
+    elif row_vertices is not None and row_numel and any(row_numel):
+        # the row balls of a tensor at once (row_vertices: one batched computation instead of one per row)
+        at = 0
+        for t, p in enumerate(params):
+            count = sum(1 for ball in balls if ball[0] == t)
+            n = row_numel[t]
+            if n and p.numel():
+                rows = directions[t].double().reshape(-1, n)
+                r_rows = torch.tensor(list(radii[at:at + count]), dtype=torch.float64, device=rows.device)
+                vertices[t] = row_vertices(rows, r_rows).reshape(-1)
+            elif p.numel():
+                vertices[t] = vertex(directions[t].double(), radii[at], tuple(p.shape))
+            at += count
     else:
         for (t, start, length), r in zip(balls, radii):
             if length:
