@@ -19,6 +19,12 @@ TORCH_LIBRARY(fgfw, m) {
       "l1_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
       "Tensor(c!) gap, int[] row_numel=[]) -> ()");
+  // The same step over L-infinity ball(s): the vertex of a ball of radius r is -r sign(d), so the step is
+  // one pass with no reduction but the gap's (reference.linf_fw_step_). CPU kernel only.
+  m.def(
+      "linf_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
+      "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
+      "Tensor(c!) gap, int[] row_numel=[]) -> ()");
   // Whether every element of every tensor is finite (the optimizers' check_finite). CPU kernel only.
   m.def("all_finite(Tensor[] tensors) -> bool");
 }

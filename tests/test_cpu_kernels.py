@@ -290,3 +290,39 @@ def test_all_finite_kernel_agrees_with_the_definition(fgfw_ops, threads):
             assert ref.all_finite(tensors) is expected
     finally:
         torch.set_num_threads(previous)
+
+
+# -- the fused L-infinity step ------------------------------------------------------------------------------
+@pytest.mark.parametrize("scope", ["tensor", "row", "global"])
+@pytest.mark.parametrize("source", ["grad", "rademacher", "gaussian"])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_linf_step_matches_reference(fgfw_ops, dtype, momentum, source, scope):
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(7, 33), (5,), (3, 4, 5), (0,)]
+    cdt = ref.compute_dtype(dtype)
+    params = [((torch.rand(s, generator=gen) * 2 - 1) * 0.1).to(dtype) for s in shapes]  # inside every ball
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes] if source == "grad" else []
+    moms = [torch.randn(s, generator=gen).to(cdt) for s in shapes] if momentum else []
+    row_numel = [33, 0, 20, 0] if scope == "row" else []
+    radii = {"global": [0.3], "row": [0.3] * 7 + [0.2] + [0.4] * 3 + [0.5], "tensor": [0.3, 0.2, 0.4, 0.5]}[scope]
+    coeffs = (torch.tensor([0.7, -1.1], dtype=torch.float64) if source != "grad"
+              else torch.zeros(0, dtype=torch.float64))
+    schedule = torch.tensor([3.0, 0.2, 0.4], dtype=torch.float64)
+    runs = []
+    for step in (fgfw_ops.linf_fw_step_, ref.linf_fw_step_):
+        ps, ms = [p.clone() for p in params], [m.clone() for m in moms]
+        gap = torch.zeros((), dtype=torch.float64)
+        step(ps, ms, grads, schedule, coeffs, radii, scope == "global", [0, 232, 240, 300], 5,
+             RADEMACHER if source == "rademacher" else GAUSSIAN, gap, row_numel)
+        runs.append((ps + ms, float(gap)))
+    for got, want in zip(*(r[0] for r in runs)):
+        if source == "gaussian":  # log/sin/cos differ in the last bits between the kernel and torch
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-7 if source == "gaussian" else 1e-12)
+    if dtype != torch.bfloat16:  # every iterate of a step from inside the ball stays in it
+        for p, r in zip(runs[0][0][:len(shapes)], radii * (4 if scope == "global" else 1)):
+            if scope == "tensor" and p.numel():
+                assert float(p.abs().max()) <= r

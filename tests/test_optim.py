@@ -458,3 +458,28 @@ def test_rescale_is_checked_and_saved():
     del state["param_groups"][0]["rescale"]  # a state saved before rescale existed loads as none
     opt.load_state_dict(state)
     assert opt.param_groups[0]["rescale"] is None
+
+
+def test_linf_balls_step_in_the_fused_cpu_kernel_as_in_torch_ops(monkeypatch):
+    """FrankWolfe over L-infinity balls: the CPU backend makes one fused linf_fw_step_ call per step and gives
+    the same parameters as the torch-op step (backend='torch'), bit for bit with backprop gradients."""
+    if not fgfw.HAS_COMPILED_EXTENSION:
+        pytest.skip("the compiled CPU kernels are not built")
+    from fgfw import _ops
+    calls = []
+    original = _ops.linf_fw_step_
+    monkeypatch.setattr(_ops, "linf_fw_step_", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    x, y = batch()
+    runs = []
+    for backend in ("cpu", "torch"):
+        model = mlp()
+        opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.LInfBall(radius=0.5, scope="row"), step_size=0.1,
+                              momentum=0.9, backend=backend)
+        for _ in range(4):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
+    assert calls == [1] * 4  # the cpu run; the torch run steps through reference.fw_step_
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)

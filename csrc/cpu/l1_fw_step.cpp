@@ -127,28 +127,20 @@ struct StepArgs {
   acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, step_factors' keep
 };
 
-template <typename scalar_t, Source kSource, bool kMomentum>
-void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc_type<scalar_t>>& part) {
+// The direction estimate g of the block [begin, begin + n) of a tensor: the gradient, or the forward
+// gradient sum_k coeff_k u_k regenerated from the stream. Returns g_at, with g_at[e] the direction at
+// element begin + e (it points into the caller's buffers g, u, words).
+template <typename scalar_t, Source kSource>
+struct BlockDirection {
   using acc_t = acc_type<scalar_t>;
-  scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
-  acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
-  const scalar_t* const grad =
-      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
-  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
-
   alignas(64) acc_t g[4 * kBlockCalls];  // the direction estimate, from the block's first call on
-  alignas(64) acc_t d_block[kBlock];
-  alignas(64) acc_t theta_old[kBlock];
   alignas(64) float u[4 * kBlockCalls];
   alignas(64) uint32_t words[4][kBlockCalls];
-  double dot[kLanes] = {};
 
-  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
-    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    // g_at[e] is the direction at element begin + e.
-    const acc_t* g_at = g;
+  const acc_t* at(const StepArgs<scalar_t>& args, const scalar_t* grad, uint64_t offset, int64_t begin, int n) {
     if constexpr (kSource == Source::kGrad) {
       for (int e = 0; e < n; ++e) g[e] = static_cast<acc_t>(grad[begin + e]);
+      return g;
     } else {
       const uint64_t first = offset + static_cast<uint64_t>(begin);
       const int lead = static_cast<int>(first % 4);
@@ -164,8 +156,28 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
           for (int e = 0; e < 4 * calls; ++e) g[e] = g[e] + coeff * static_cast<acc_t>(u[e]);
         }
       }
-      g_at = g + lead;
+      return g + lead;
     }
+  }
+};
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc_type<scalar_t>>& part) {
+  using acc_t = acc_type<scalar_t>;
+  scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
+  acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
+  const scalar_t* const grad =
+      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
+  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
+
+  BlockDirection<scalar_t, kSource> direction;
+  alignas(64) acc_t d_block[kBlock];
+  alignas(64) acc_t theta_old[kBlock];
+  double dot[kLanes] = {};
+
+  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+    const acc_t* g_at = direction.at(args, grad, offset, begin, n);
 
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
@@ -211,6 +223,46 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
   for (int l = 0; l < kLanes; ++l) part.dot += dot[l];
 }
 
+// The balls of a step in the order of their radii (tensors in order, rows in order within a tensor), cut
+// into segments of at most kSegment elements.
+struct Layout {
+  std::vector<Segment> segments;
+  std::vector<size_t> ball_tensor;  // the tensor of each ball
+  int64_t total = 0;                // elements in all
+};
+
+Layout lay_out(at::TensorList params, c10::IntArrayRef row_numel) {
+  Layout out;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const int64_t numel = params[t].numel();
+    const int64_t length = row_length(row_numel, t) == 0 ? numel : row_length(row_numel, t);
+    out.total += numel;
+    for (int64_t row = 0; row < num_balls(numel, row_length(row_numel, t)); ++row) {
+      const size_t ball = out.ball_tensor.size();
+      out.ball_tensor.push_back(t);
+      const int64_t row_end = row * length + length;
+      for (int64_t begin = row * length; begin < row_end; begin += kSegment) {
+        out.segments.push_back({t, begin, std::min(begin + kSegment, row_end), ball});
+      }
+    }
+  }
+  return out;
+}
+
+// run(s) for every segment s: on the calling thread below kParallelMin elements, else in parallel.
+template <typename Run>
+void run_in_parallel(const Layout& layout, Run&& run) {
+  auto run_segments = [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) run(s);
+  };
+  const int64_t num_segments = static_cast<int64_t>(layout.segments.size());
+  if (layout.total < kParallelMin) {
+    run_segments(0, num_segments);
+  } else {
+    at::parallel_for(0, num_segments, 1, run_segments);
+  }
+}
+
 template <typename scalar_t, Source kSource, bool kMomentum>
 void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
                        c10::IntArrayRef row_numel, const double* schedule, double* gap) {
@@ -219,34 +271,13 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
   const size_t n = params.size();
   const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
 
-  // Balls in the order of their radii: tensors in order, rows in order within a tensor.
-  std::vector<Segment> segments;
-  std::vector<size_t> ball_tensor;
-  int64_t total = 0;
-  for (size_t t = 0; t < n; ++t) {
-    const int64_t numel = params[t].numel();
-    const int64_t length = row_length(row_numel, t) == 0 ? numel : row_length(row_numel, t);
-    total += numel;
-    for (int64_t row = 0; row < num_balls(numel, row_length(row_numel, t)); ++row) {
-      const size_t ball = ball_tensor.size();
-      ball_tensor.push_back(t);
-      const int64_t row_end = row * length + length;
-      for (int64_t begin = row * length; begin < row_end; begin += kSegment) {
-        segments.push_back({t, begin, std::min(begin + kSegment, row_end), ball});
-      }
-    }
-  }
+  const Layout layout = lay_out(params, row_numel);
+  const std::vector<Segment>& segments = layout.segments;
+  const std::vector<size_t>& ball_tensor = layout.ball_tensor;
   std::vector<Partial<acc_t>> partials(segments.size());
-
-  auto run_segments = [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) run_segment<scalar_t, kSource, kMomentum>(args, segments[s], partials[s]);
-  };
-  const int64_t num_segments = static_cast<int64_t>(segments.size());
-  if (total < kParallelMin) {
-    run_segments(0, num_segments);
-  } else {
-    at::parallel_for(0, num_segments, 1, run_segments);
-  }
+  run_in_parallel(layout, [&](int64_t s) {
+    run_segment<scalar_t, kSource, kMomentum>(args, segments[s], partials[s]);
+  });
 
   std::vector<Partial<acc_t>> per_ball(ball_tensor.size());
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -285,7 +316,74 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
   *gap = total_gap;
 }
 
-void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
+// ---- The L-infinity step ----------------------------------------------------------------------
+// The vertex of a ball of radius r is s = -r sign(d) everywhere: no reduction is needed before the
+// update, so the whole step is one pass: theta <- keep theta + alpha_vertex s per element, and the
+// gap's terms d theta_old and r |d| (reference.linf_fw_step_).
+
+// torch.sign, NaN included (NaN stays NaN, as in the reference's vertex).
+template <typename T>
+T sign_with_nan(T x) {
+  return x != x ? x : sign_of(x);
+}
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double radius, acc_type<scalar_t> alpha_vertex) {
+  using acc_t = acc_type<scalar_t>;
+  scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
+  acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
+  const scalar_t* const grad =
+      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
+  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
+  const acc_t s_magnitude = -static_cast<acc_t>(radius);
+  BlockDirection<scalar_t, kSource> direction;
+  double dot[kLanes] = {};   // <d, theta_old>
+  double mass[kLanes] = {};  // sum |d|
+  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+    const acc_t* g_at = direction.at(args, grad, offset, begin, n);
+    scalar_t* const theta_b = theta + begin;
+    for (int e = 0; e < n; ++e) {
+      acc_t d = g_at[e];
+      if constexpr (kMomentum) {
+        d = args.keep_v * v[begin + e] + args.gamma * d;
+        v[begin + e] = d;
+      }
+      const acc_t old = static_cast<acc_t>(theta_b[e]);
+      // keep theta + alpha_vertex s, with s = -r sign(d) rounded as the reference rounds it
+      const acc_t s = s_magnitude * sign_with_nan(d);
+      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * s);
+      dot[e % kLanes] += static_cast<double>(d) * static_cast<double>(old);
+      mass[e % kLanes] += std::abs(static_cast<double>(d));
+    }
+  }
+  double total = 0;
+  for (int l = 0; l < kLanes; ++l) total += dot[l] + radius * mass[l];
+  return total;
+}
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void linf_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
+                         c10::IntArrayRef row_numel, const double* schedule, double* gap) {
+  using acc_t = acc_type<scalar_t>;
+  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
+  const Layout layout = lay_out(args.params, row_numel);
+  std::vector<double> shares(layout.segments.size());
+  run_in_parallel(layout, [&](int64_t s) {
+    const Segment& seg = layout.segments[s];
+    shares[s] = linf_segment<scalar_t, kSource, kMomentum>(args, seg, global_ball ? radii[0] : radii[seg.ball],
+                                                           alpha_vertex);
+  });
+  double total_gap = 0;
+  for (double share : shares) total_gap += share;  // in segment order: the same for any thread count
+  *gap = total_gap;
+}
+
+enum class Set { kL1, kLInf };
+
+// Both steps' arguments, checked and unpacked; runs the set's kernel in the variant they ask for.
+template <Set kSet>
+void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                     const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                     c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
                     c10::IntArrayRef row_numel) {
@@ -312,17 +410,39 @@ void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
       }
     }
     auto run = [&](auto source, auto with_momentum) {
-      l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-          args, radii, global_ball, row_numel, sched, gap_out);
+      if constexpr (kSet == Set::kL1) {
+        l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
+            args, radii, global_ball, row_numel, sched, gap_out);
+      } else {
+        linf_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
+            args, radii, global_ball, row_numel, sched, gap_out);
+      }
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });
+}
+
+void l1_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
+                    const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
+                    c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                    c10::IntArrayRef row_numel) {
+  fw_step_cpu<Set::kL1>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                        distribution, gap, row_numel);
+}
+
+void linf_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
+                      const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
+                      c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                      c10::IntArrayRef row_numel) {
+  fw_step_cpu<Set::kLInf>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                          distribution, gap, row_numel);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fgfw, CPU, m) {
   m.impl("l1_fw_step_", &l1_fw_step_cpu);
+  m.impl("linf_fw_step_", &linf_fw_step_cpu);
 }
 
 }  // namespace fgfw

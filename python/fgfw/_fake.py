@@ -29,3 +29,9 @@ def _fill_tangent_at_step_fake(out, seed, step, tangent_id, offset, distribution
 def _l1_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
                      distribution, gap, row_numel=()) -> None:
     return None
+
+
+@torch.library.register_fake("fgfw::linf_fw_step_")
+def _linf_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                       distribution, gap, row_numel=()) -> None:
+    return None

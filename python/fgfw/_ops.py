@@ -232,6 +232,25 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
         reference.l1_fw_step_(*args)
 
 
+def linf_fw_step_available(backend: str) -> bool:
+    """Whether ``backend`` has a fused L-infinity step (the CPU kernel, and the reference)."""
+    return backend == "torch" or (backend == "cpu" and _has_kernel("linf_fw_step_", "CPU"))
+
+
+def linf_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+                  gap, backend: str, row_numel=()) -> None:
+    """One fused L-infinity-ball Frank-Wolfe step (see ``reference.linf_fw_step_``), arguments prepared as
+    for ``l1_fw_step_(prepared=True)``; ``backend`` 'cpu' (the C++ kernel) or 'torch'."""
+    args = (params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution, gap,
+            row_numel)
+    if backend == "cpu":
+        torch.ops.fgfw.linf_fw_step_(*args)
+    elif backend == "torch":
+        reference.linf_fw_step_(*args)
+    else:
+        raise ValueError(f"the fused L-infinity step runs on the 'cpu' or 'torch' backend, got {backend!r}")
+
+
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every entry of every tensor is finite (see ``reference.all_finite``): the C++ kernel when the
     tensors are on the CPU (one pass, no temporaries), else the reference's torch ops. Under torch.compile

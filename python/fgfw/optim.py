@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _ops, activity, constraints, distributed, forward_grad, reference, schedules
-from .constraints import Constraint, L1Ball, _user_stacklevel
+from .constraints import Constraint, L1Ball, LInfBall, _user_stacklevel
 
 STATE_KEY = "fgfw"
 # "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
@@ -587,6 +587,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         return out
 
     @staticmethod
+    def _fused_linf(call: _Call) -> bool:
+        """Whether the call is an L-infinity ball's that the fused one-pass kernel steps (the CPU backend; no
+        rescale, which needs a step per ball)."""
+        return (type(call.constraint) is LInfBall and call.group["rescale"] is None
+                and call.backend == "cpu" and _ops.linf_fw_step_available(call.backend))
+
+    @staticmethod
     def _forward_gradients(call: _Call, coeffs: torch.Tensor, k: torch.Tensor, seed: int,
                            distribution: int) -> list[torch.Tensor]:
         """The forward-gradient estimate sum_t coeffs[t] u_t of each tensor of a call stepped in torch ops (a set
@@ -620,7 +627,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self._make_state(call)
                 plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
-            if call.constraint is not None:
+            if call.constraint is not None and self._fused_linf(call):
+                _ops.linf_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
+                                   coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
+                                   gap, call.backend, call.row_numel)
+            elif call.constraint is not None:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
                 reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],

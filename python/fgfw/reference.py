@@ -328,6 +328,17 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     gap.fill_(total_gap)
 
 
+def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
+                  offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
+                  row_numel: Sequence[int] = ()) -> None:
+    """One Frank-Wolfe step over L-infinity ball(s), in place: :func:`fw_step_` with the vertex
+    ``-r sign(d)`` of every ball (the spec of the fused ``linf_fw_step_`` kernel: one pass, the vertex is
+    elementwise; ``constraints.LInfBall.vertex``)."""
+    fw_step_(lambda d, r, shape: -r * torch.sign(d), params, momentum, grads, schedule, tangent_coeffs, radii,
+             global_ball, offsets, seed, distribution, gap, row_numel)
+
+
 RESCALES = ("diameter", "gradient")
 
 
