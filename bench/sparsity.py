@@ -4,7 +4,7 @@ Trains two networks on the MNIST split (the t10k files: 8,000 train / 2,000 test
 same initial weights for every method (seed 0):
 
 * ``paper``: the paper's 784-10-10-10-10-10 ReLU MLP (8,290 parameters), 20 epochs;
-* ``mlp_8x512``: 784 -> 8 hidden Linear(512) + ReLU -> Linear(10), i.e. nine Linear layers (2,242,058
+* ``mlp_8x512``: 784 -> 8 hidden Linear(512) + ReLU -> Linear(10), i.e. nine Linear layers (2,245,642
   parameters), 8 epochs;
 
 batch 64, each with four methods (FrankWolfe with momentum 0.9 and ``LinearDecay(step, all steps)``):
@@ -14,7 +14,7 @@ batch 64, each with four methods (FrankWolfe with momentum 0.9 and ``LinearDecay
   10; biases: one polytope each, k = 1 % of its size, at least 1), radius ``relative_to_init(2)``, i.e.
   r = 2 max(||row||_1 / k, ||row||_inf): the initial weights are feasible and the polytope's L1 budget
   k r is twice the row's initial L1 norm, as for the L1 rows. k is a count, so every tensor gets a param
-  group of its own. Step 0.01;
+  group of its own. Step 0.004 (0.01: 90.0 % on the paper net, but the 8x512 at chance after 8 epochs);
 * ``linf``: one L-infinity ball per tensor, ``relative_to_init(10)`` (10 x the largest initial weight),
   step 0.004;
 * ``adam``: unconstrained Adam, lr 1e-3.
@@ -149,7 +149,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     # initial steps of the linear decays
     parser.add_argument("--l1-step", type=float, default=0.004)
-    parser.add_argument("--ksparse-step", type=float, default=0.01)
+    parser.add_argument("--ksparse-step", type=float, default=0.004)
     parser.add_argument("--linf-step", type=float, default=0.004)
     parser.add_argument("--l1-scale", type=float, default=2.0)
     parser.add_argument("--k-fraction", type=float, default=0.01)
