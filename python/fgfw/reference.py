@@ -156,6 +156,33 @@ def direction(param: torch.Tensor, grad: torch.Tensor | None, tangent_coeffs: to
     return g
 
 
+def _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+                row_numel) -> tuple[float, list[tuple[int, int, int]], list[torch.Tensor]]:
+    """What every step does before its LMO: checks the balls and radii, and returns (alpha, the balls, each
+    tensor's direction d, flat in the compute dtype), with the momentum updated in place (d = v then)."""
+    step, alpha, gamma = (float(x) for x in schedule.tolist())
+    step = int(step)
+    if not grads and len(offsets) != len(params):
+        # tensors sharing offset 0 would share tangent values: a biased estimate, never what is meant
+        raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
+                         f"gradient, got {len(offsets)}")
+    balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
+    if len(radii) != (1 if global_ball else len(balls)):
+        raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
+    directions = []
+    for t, p in enumerate(params):
+        cdt = compute_dtype(p.dtype)
+        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if not grads else 0,
+                      distribution)
+        if momentum:
+            v = momentum[t].view(-1)
+            gamma_c = torch.tensor(gamma, dtype=cdt)
+            v.copy_((1 - gamma_c) * v + gamma_c * g)
+            g = v.clone()
+        directions.append(g)
+    return alpha, balls, directions
+
+
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float],
                 global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
@@ -176,30 +203,12 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
       factors carry kappa = 1 - 4u so that the rounded iterate stays in the ball (feasibility_shrink).
     * ``gap`` <- the Frank-Wolfe gap <d, theta - s> at the old theta, summed over balls.
     """
-    step, alpha, gamma = (float(x) for x in schedule.tolist())
-    step = int(step)
-    if not grads and len(offsets) != len(params):
-        # tensors sharing offset 0 would share tangent values: a biased estimate, never what is meant
-        raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
-                         f"gradient, got {len(offsets)}")
-    balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
-    if len(radii) != (1 if global_ball else len(balls)):
-        raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
-    directions = []
+    alpha, balls, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball,
+                                           offsets, seed, distribution, row_numel)
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
-        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if not grads else 0,
-                      distribution)
-        if momentum:
-            v = momentum[t].view(-1)
-            gamma_c = torch.tensor(gamma, dtype=cdt)
-            v.copy_((1 - gamma_c) * v + gamma_c * g)
-            d = v.clone()
-        else:
-            d = g
-        directions.append(d)
-        total_gap += float((d.double() * p.reshape(-1).double()).sum())
+        total_gap += float((directions[t].double() * p.reshape(-1).double()).sum())
         keep, _ = step_factors(alpha, cdt)
         p.copy_((keep * p.to(cdt)).to(p.dtype))
 
@@ -257,25 +266,8 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     ``min(alpha ||d|| / ||theta - s||, 1)`` over the ball (the step's length is alpha ||d||, as SGD's with
     learning rate alpha, until it reaches the vertex). A degenerate ball (D = 0, or theta = s) keeps alpha.
     """
-    step, alpha, gamma = (float(x) for x in schedule.tolist())
-    step = int(step)
-    if not grads and len(offsets) != len(params):
-        raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
-                         f"gradient, got {len(offsets)}")
-    balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
-    if len(radii) != (1 if global_ball else len(balls)):
-        raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
-    directions = []
-    for t, p in enumerate(params):
-        cdt = compute_dtype(p.dtype)
-        g = direction(p, grads[t] if grads else None, tangent_coeffs, seed, step, offsets[t] if not grads else 0,
-                      distribution)
-        if momentum:
-            v = momentum[t].view(-1)
-            gamma_c = torch.tensor(gamma, dtype=cdt)
-            v.copy_((1 - gamma_c) * v + gamma_c * g)
-            g = v.clone()
-        directions.append(g)
+    alpha, balls, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball,
+                                           offsets, seed, distribution, row_numel)
     # the vertex of every ball, at the old theta, in float64 (before, a float32 ball's vertex was rounded to
     # float32 before the gap used it: the gap missed the L1 step's, r |d_i*| with r exact, by ~1e-8 relative;
     # the global ball was computed in float64 already)
