@@ -833,3 +833,63 @@ def test_fw_step_with_row_vertices_steps_as_per_row_vertices(constraint):
     for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-300)
     assert results[0][2] == pytest.approx(results[1][2], rel=1e-12)
+
+
+# -- the group-L1 ball (L2 in a row, L1 across rows) ---------------------------------------------------------
+def _project_group_l1(x: np.ndarray, r: float, shape) -> np.ndarray:
+    """Euclidean projection onto {sum_i ||X_i||_2 <= r}: the row norms projected onto the L1 ball, each row
+    scaled to its new norm (the group soft-threshold)."""
+    m = x.reshape(shape[0], -1)
+    norms = np.linalg.norm(m, axis=1)
+    new = _project_l1(norms, r)
+    scale = np.divide(new, norms, out=np.zeros_like(norms), where=norms > 0)
+    return (m * scale[:, None]).reshape(-1)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (1, 5), (6,), (3, 2, 2)])
+def test_group_l1_vertex_is_the_dual_norm_minimiser(shape):
+    gen = torch.Generator().manual_seed(31)
+    ball = fgfw.GroupL1Ball(1.7)
+    for trial in range(20):
+        d = torch.randn(shape, generator=gen, dtype=F64) * 10.0 ** (trial % 5 - 2)
+        s = ball.vertex(d.reshape(-1), 1.7, shape)
+        rows = d.reshape(1, -1) if len(shape) < 2 else d.reshape(shape[0], -1)
+        # min over the ball of <d, s> is -r max_i ||d_i||_2 (the dual norm: the largest row norm)
+        assert float(d.reshape(-1) @ s) == pytest.approx(-1.7 * float(rows.norm(dim=1).max()), rel=1e-12)
+        assert ball.contains(s.reshape(shape), 1.7, rtol=1e-12)
+        assert int((s.reshape(rows.shape).norm(dim=1) > 0).sum()) == 1  # one whole row moves
+    tied = torch.ones(3, 4, dtype=F64)  # equal rows: the first one
+    assert torch.equal(ball.vertex(tied.reshape(-1), 1.0, (3, 4)).reshape(3, 4)[1:], torch.zeros(2, 4, dtype=F64))
+    assert torch.equal(ball.vertex(torch.zeros(12, dtype=F64), 1.0, (3, 4)), torch.zeros(12, dtype=F64))
+
+
+def test_frank_wolfe_in_a_group_l1_ball_reaches_the_projected_gradient_optimum():
+    r, shape = 2.0, (5, 2)
+    a, b = _quadratic()
+    f = lambda x: 0.5 * float(((a @ x - b) ** 2).sum())  # noqa: E731
+    step = 1.0 / np.linalg.norm(a, 2) ** 2
+    x_star = _project_group_l1(np.zeros(10), r, shape)
+    for _ in range(20000):
+        x_new = _project_group_l1(x_star - step * (a.T @ (a @ x_star - b)), r, shape)
+        if np.abs(x_new - x_star).max() < 1e-15:
+            break
+        x_star = x_new
+    a_t, b_t = torch.from_numpy(a), torch.from_numpy(b)
+    x = nn.Parameter(torch.zeros(shape, dtype=F64))
+    opt = fgfw.FrankWolfe([x], constraint=fgfw.GroupL1Ball(r), step_size="2/(k+2)")
+    for _ in range(2000):
+        opt.zero_grad()
+        (0.5 * ((a_t @ x.reshape(-1) - b_t) ** 2).sum()).backward()
+        opt.step()
+    assert abs(f(x.detach().numpy().reshape(-1)) - f(x_star)) <= 1e-5 * f(np.zeros(10))
+    assert fgfw.GroupL1Ball(r).contains(x.detach(), r, rtol=1e-9)
+
+
+def test_group_l1_radius_rules_and_scope():
+    w = torch.randn(4, 6, generator=torch.Generator().manual_seed(32), dtype=F64)
+    (radius,) = fgfw.GroupL1Ball.relative_to_init(1.5).resolve_radii([w])
+    assert radius == pytest.approx(1.5 * float(w.norm(dim=1).sum()), rel=1e-12)
+    (radius,) = fgfw.GroupL1Ball.from_init_diameter(1.0).resolve_radii([w])
+    assert radius == pytest.approx(float(w.norm()), rel=1e-12)  # D_2 of the ball of radius 1 is 2
+    with pytest.raises(ValueError, match="scope must be one of"):
+        fgfw.GroupL1Ball(1.0, scope="row")

@@ -3,14 +3,14 @@
 Optimizers: :class:`FrankWolfe` (backprop gradient), :class:`FGFW` (Algorithm 1) and :class:`AFGFW`
 (Algorithm 2, variance reduced) of Rostami & Kia, "Projected Forward Gradient-Guided Frank-Wolfe
 Algorithm via Variance Reduction". Constraints: :mod:`fgfw.constraints` (L1, L2, L-infinity, Lp balls, the
-k-sparse polytope, simplices, the nuclear-norm ball).
+k-sparse polytope, simplices, the nuclear-norm and group-L1 balls).
 """
 import torch  # noqa: F401  (the compiled extension links against torch's libraries: load them first)
 
 from . import _ops, distributed, reference
 from ._ops import available_backends, resolve_backend
-from .constraints import (Constraint, KSparsePolytope, L1Ball, L2Ball, LInfBall, LpBall, NonnegativeL1Ball,
-                          NuclearNormBall, Simplex)
+from .constraints import (Constraint, GroupL1Ball, KSparsePolytope, L1Ball, L2Ball, LInfBall, LpBall,
+                          NonnegativeL1Ball, NuclearNormBall, Simplex)
 from .optim import AFGFW, FGFW, FrankWolfe
 
 # Register the compiled ops (torch.ops.fgfw.*) now if the extension was built; without it the reference
@@ -18,5 +18,5 @@ from .optim import AFGFW, FGFW, FrankWolfe
 HAS_COMPILED_EXTENSION = _ops._compiled_extension()
 
 __version__ = "0.1.0"
-__all__ = ["AFGFW", "FGFW", "FrankWolfe", "Constraint", "KSparsePolytope", "L1Ball", "L2Ball", "LInfBall", "LpBall",
+__all__ = ["AFGFW", "FGFW", "FrankWolfe", "Constraint", "GroupL1Ball", "KSparsePolytope", "L1Ball", "L2Ball", "LInfBall", "LpBall",
            "NonnegativeL1Ball", "NuclearNormBall", "Simplex", "available_backends", "resolve_backend", "reference"]

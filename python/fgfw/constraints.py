@@ -16,6 +16,7 @@ step through :func:`fgfw.reference.fw_step_` with their dense vertex (torch ops)
 | :class:`Simplex` | ``r e_i``, i = argmin d_i (``{s >= 0, sum s = r}``) | tensor, row, global |
 | :class:`NonnegativeL1Ball` | ``r e_i`` if min d_i < 0, else 0 (``{s >= 0, sum s <= r}``) | tensor, row, global |
 | :class:`NuclearNormBall` | ``-r u_1 v_1^T``, the top singular pair of the matrix d | tensor (matrices) |
+| :class:`GroupL1Ball` | ``-r d_i / ||d_i||_2`` on the row i of largest ``||d_i||_2`` | tensor (matrices) |
 
 Ties go to the lowest index, as in the L1 kernels. Radii: explicit, ``relative_to_init(scale)`` (scale
 times the set's gauge of the initial parameters: its norm, or the sum for the simplices), or
@@ -658,6 +659,47 @@ class NuclearNormBall(Constraint):
         return 2.0 * radius  # Frobenius: the vertices are unit rank-one matrices times r
 
 
+class GroupL1Ball(Constraint):
+    """The group-L1 ball ``{W : sum_i ||W_i||_2 <= r}`` of each weight matrix, its rows W_i the groups (a
+    unit's incoming weights; a tensor of more than two dimensions is taken as ``(shape[0], -1)``, a vector
+    as one row): L2 inside a group, L1 across groups, so a step moves one whole unit and training prunes
+    units rather than weights. Vertex: ``-r d_i / ||d_i||_2`` on the row i of largest ``||d_i||_2`` (the
+    lowest index on ties), 0 elsewhere. Scope "tensor" only (the groups are the tensor's rows); torch ops.
+    """
+
+    KIND, NAME, GAUGE = "group_l1_ball", "group-L1 ball", "group-L1 norm (sum of row L2 norms)"
+    ALLOWED_SCOPES = ("tensor",)
+
+    @staticmethod
+    def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(1, -1) if len(shape) < 2 else x.reshape(shape[0], -1)
+
+    def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
+        if not x.numel():
+            return 0.0
+        return float(torch.linalg.vector_norm(self._matrix(x.double(), shape or tuple(x.shape)), dim=1).sum())
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        (t,) = tensors  # scope "tensor": one matrix per ball
+        return self.gauge(t.detach().double(), tuple(t.shape))
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        m = self._matrix(_unit_max(d), shape)  # scaled first: the row norms neither underflow nor overflow
+        norms = torch.linalg.vector_norm(m, dim=1)
+        s = torch.zeros_like(m)
+        if m.numel():
+            i = int(torch.argmax(norms))  # the first maximum: the lowest row wins ties
+            if norms[i] > 0:
+                s[i] = -radius * m[i] / norms[i]
+        return s.reshape(-1).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return 2.0 * radius if math.prod(shape) > 0 else 0.0
+
+
 def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
     """The Euclidean projection of the flat tensor x onto ``{y >= 0, sum y = r}`` (sort and threshold)."""
     if not x.numel():
@@ -672,7 +714,7 @@ def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
 
 # kind (to_dict's tag) -> set, for from_dict
 SETS: dict[str, type[Constraint]] = {c.KIND: c for c in (L1Ball, L2Ball, LInfBall, LpBall, KSparsePolytope, Simplex,
-                                                         NonnegativeL1Ball, NuclearNormBall)}
+                                                         NonnegativeL1Ball, NuclearNormBall, GroupL1Ball)}
 
 
 def from_dict(spec: object) -> Constraint:
