@@ -161,8 +161,8 @@ class Constraint:
         return f"{type(self).__name__}({self._params_repr()}{size}, scope={self.scope!r})"
 
     def _params(self) -> dict:
-        """The set's own parameters (p, k) as constructor keywords."""
-        return {}
+        """The set's own parameters (PARAMS: p, k, ...) as constructor keywords."""
+        return {name: getattr(self, name) for name in self.PARAMS}
 
     def to_dict(self) -> dict:
         """The set as plain values, as an optimizer's ``state_dict`` saves it (``torch.load`` with its default
@@ -394,9 +394,6 @@ class LpBall(Constraint):
         self.GAUGE = f"L{self.p:g} norm"
         super().__init__(radius, scope=scope, **kw)
 
-    def _params(self) -> dict:
-        return {"p": self.p}
-
     def _params_repr(self) -> str:
         return f"p={self.p:g}, "
 
@@ -446,9 +443,6 @@ class KSparsePolytope(Constraint):
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         self.k = k
         super().__init__(radius, scope=scope, **kw)
-
-    def _params(self) -> dict:
-        return {"k": self.k}
 
     def _params_repr(self) -> str:
         return f"k={self.k}, "
@@ -612,9 +606,6 @@ class NuclearNormBall(Constraint):
             raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
         self.max_iterations = max_iterations
         super().__init__(radius, scope=scope, **kw)
-
-    def _params(self) -> dict:
-        return {"max_iterations": self.max_iterations}
 
     @staticmethod
     def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

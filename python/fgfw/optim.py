@@ -115,7 +115,7 @@ class _Call:
     steps and with what constants. Only the gradients, the schedule and the gap are made per step."""
 
     __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
-                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint")
+                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_linf")
 
     def __init__(self, device, dtype, backend, momentum, global_ball, group):
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -131,6 +131,7 @@ class _Call:
         # a global ball's parameters without a gradient: a zero gradient (its update scales every parameter)
         self.zero_grads: dict[int, torch.Tensor] = {}
         self.constraint: Constraint | None = None  # a set other than the L1 ball: stepped by its vertex
+        self.fused_linf = False  # that set is an L-infinity ball the fused CPU kernel steps
 
 
 class _Plan:
@@ -494,6 +495,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     call = calls[(device, dtype, *shared)] = _Call(device, dtype, shared[0], momentum,
                                                                      constraint.global_ball, group)
                     call.constraint = None if fused else constraint
+                    # an L-infinity ball on the CPU backend, not rescaled: the fused one-pass kernel
+                    call.fused_linf = (type(constraint) is LInfBall and group["rescale"] is None
+                                       and shared[0] == "cpu" and _ops.linf_fw_step_available("cpu"))
                     if constraint.global_ball:
                         call.radii = [float(r) for r in group["radii"]]
                 if constraint.global_ball and self._missing_gradient(p):
@@ -587,13 +591,6 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         return out
 
     @staticmethod
-    def _fused_linf(call: _Call) -> bool:
-        """Whether the call is an L-infinity ball's that the fused one-pass kernel steps (the CPU backend; no
-        rescale, which needs a step per ball)."""
-        return (type(call.constraint) is LInfBall and call.group["rescale"] is None
-                and call.backend == "cpu" and _ops.linf_fw_step_available(call.backend))
-
-    @staticmethod
     def _forward_gradients(call: _Call, coeffs: torch.Tensor, k: torch.Tensor, seed: int,
                            distribution: int) -> list[torch.Tensor]:
         """The forward-gradient estimate sum_t coeffs[t] u_t of each tensor of a call stepped in torch ops (a set
@@ -627,7 +624,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self._make_state(call)
                 plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
-            if call.constraint is not None and self._fused_linf(call):
+            if call.fused_linf:
                 _ops.linf_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
                                    gap, call.backend, call.row_numel)
