@@ -127,17 +127,25 @@ struct StepArgs {
   acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, step_factors' keep
 };
 
-// The direction estimate g of the block [begin, begin + n) of a tensor: the gradient, or the forward
-// gradient sum_k coeff_k u_k regenerated from the stream. Returns g_at, with g_at[e] the direction at
-// element begin + e (it points into the caller's buffers g, u, words).
+// The direction estimate g of tensor t, block by block: the gradient, or the forward gradient
+// sum_k coeff_k u_k regenerated from the stream. at(begin, n) returns g_at, with g_at[e] the direction at
+// element begin + e (it points into the buffers below).
 template <typename scalar_t, Source kSource>
 struct BlockDirection {
   using acc_t = acc_type<scalar_t>;
+  const StepArgs<scalar_t>& args;
+  const scalar_t* const grad;
+  const uint64_t offset;  // the tensor's first index in the tangent stream
   alignas(64) acc_t g[4 * kBlockCalls];  // the direction estimate, from the block's first call on
   alignas(64) float u[4 * kBlockCalls];
   alignas(64) uint32_t words[4][kBlockCalls];
 
-  const acc_t* at(const StepArgs<scalar_t>& args, const scalar_t* grad, uint64_t offset, int64_t begin, int n) {
+  BlockDirection(const StepArgs<scalar_t>& step_args, size_t t)
+      : args(step_args),
+        grad(kSource == Source::kGrad ? step_args.grads[t].template data_ptr<scalar_t>() : nullptr),
+        offset(kSource == Source::kGrad ? 0 : static_cast<uint64_t>(step_args.offsets[t])) {}
+
+  const acc_t* at(int64_t begin, int n) {
     if constexpr (kSource == Source::kGrad) {
       for (int e = 0; e < n; ++e) g[e] = static_cast<acc_t>(grad[begin + e]);
       return g;
@@ -166,18 +174,15 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
-  const scalar_t* const grad =
-      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
-  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
 
-  BlockDirection<scalar_t, kSource> direction;
+  BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
   alignas(64) acc_t d_block[kBlock];
   alignas(64) acc_t theta_old[kBlock];
   double dot[kLanes] = {};
 
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = direction.at(args, grad, offset, begin, n);
+    const acc_t* g_at = direction.at(begin, n);
 
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
@@ -332,16 +337,13 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
-  const scalar_t* const grad =
-      kSource == Source::kGrad ? args.grads[seg.tensor].template data_ptr<scalar_t>() : nullptr;
-  const uint64_t offset = kSource == Source::kGrad ? 0 : static_cast<uint64_t>(args.offsets[seg.tensor]);
   const acc_t s_magnitude = -static_cast<acc_t>(radius);
-  BlockDirection<scalar_t, kSource> direction;
+  BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
   double dot[kLanes] = {};   // <d, theta_old>
   double mass[kLanes] = {};  // sum |d|
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = direction.at(args, grad, offset, begin, n);
+    const acc_t* g_at = direction.at(begin, n);
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
       acc_t d = g_at[e];
