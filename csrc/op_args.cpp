@@ -136,4 +136,11 @@ void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::T
               gap.sizes());
 }
 
+void check_lp_exponent(double p) {
+  TORCH_CHECK(p > 1 && std::isfinite(p), "lp_fw_step_: p must satisfy 1 < p < inf (p = 1 and inf are the L1 and "
+              "L-infinity steps), got ", p);
+}
+
+void check_ksparse_k(int64_t k) { TORCH_CHECK(k >= 1, "ksparse_fw_step_: k must be >= 1, got ", k); }
+
 }  // namespace fgfw

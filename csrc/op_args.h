@@ -26,6 +26,10 @@ void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::T
                            c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
                            int64_t distribution, const at::Tensor& gap, c10::IntArrayRef row_numel);
 
+// The set parameters of lp_fw_step_ (1 < p < inf) and ksparse_fw_step_ (k >= 1).
+void check_lp_exponent(double p);
+void check_ksparse_k(int64_t k);
+
 // The row length of tensor t's balls: 0 when the tensor is one ball (row_numel empty or 0).
 inline int64_t row_length(c10::IntArrayRef row_numel, size_t t) {
   return row_numel.empty() ? 0 : row_numel[t];

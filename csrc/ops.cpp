@@ -20,11 +20,24 @@ TORCH_LIBRARY(fgfw, m) {
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
       "Tensor(c!) gap, int[] row_numel=[]) -> ()");
   // The same step over L-infinity ball(s): the vertex of a ball of radius r is -r sign(d), so the step is
-  // one pass with no reduction but the gap's (reference.linf_fw_step_). CPU kernel only.
+  // one pass with no reduction but the gap's (reference.linf_fw_step_).
   m.def(
       "linf_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
       "Tensor(c!) gap, int[] row_numel=[]) -> ()");
+  // The same step over Lp ball(s), 1 < p < inf (p = 2: the L2 ball): per ball a reduction pass for max|d| and
+  // ||d / max|d| ||_q, then the update pass with s_i = -r sign(d_i) (x_i / ||x||_q)^(q-1)
+  // (reference.lp_fw_step_).
+  m.def(
+      "lp_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
+      "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
+      "Tensor(c!) gap, int[] row_numel=[], float p=2.0) -> ()");
+  // The same step over k-sparse polytope(s) of radius r: s = -r sign(d) on the k largest |d| of each ball
+  // (ties: lowest index), found by a selection of the k-th largest |d| (reference.ksparse_fw_step_).
+  m.def(
+      "ksparse_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
+      "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
+      "Tensor(c!) gap, int[] row_numel=[], int k=1) -> ()");
   // Whether every element of every tensor is finite (the optimizers' check_finite). CPU kernel only.
   m.def("all_finite(Tensor[] tensors) -> bool");
 }

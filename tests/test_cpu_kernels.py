@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from fgfw import reference as ref
+
+import set_cases
 from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, SHAPES, assert_same_step,
                           check_backprop_gradient, check_forward_gradient, check_row_balls, flat_offsets, make_group,
                           run_both)
@@ -326,3 +328,62 @@ def test_linf_step_matches_reference(fgfw_ops, dtype, momentum, source, scope):
         for p, r in zip(runs[0][0][:len(shapes)], radii * (4 if scope == "global" else 1)):
             if scope == "tensor" and p.numel():
                 assert float(p.abs().max()) <= r
+
+
+# -- the fused Lp and k-sparse steps (and L-infinity again, through the shared checker) ---------------------
+@pytest.mark.parametrize("scope", set_cases.SCOPES)
+@pytest.mark.parametrize("source", set_cases.SOURCES)
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("kind,param", set_cases.CASES)
+def test_set_steps_match_reference(fgfw_ops, kind, param, momentum, source, scope):
+    step = getattr(fgfw_ops, set_cases.SETS[kind][0].__name__)
+    runs = set_cases.run_set_step(step, kind, param, torch.float32, momentum, source, scope, "cpu")
+    set_cases.assert_set_step_matches(runs, kind, torch.float32, source)
+
+
+@pytest.mark.parametrize("kind,param", [("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("linf", None)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_set_steps_match_reference_in_every_dtype(fgfw_ops, kind, param, dtype):
+    step = getattr(fgfw_ops, set_cases.SETS[kind][0].__name__)
+    for scope in set_cases.SCOPES:
+        runs = set_cases.run_set_step(step, kind, param, dtype, True, "rademacher", scope, "cpu")
+        set_cases.assert_set_step_matches(runs, kind, dtype, "rademacher")
+
+
+def test_ksparse_step_breaks_ties_by_index_as_the_reference(fgfw_ops):
+    set_cases.check_ksparse_selection_exact(fgfw_ops.ksparse_fw_step_, "cpu")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_set_steps_do_not_depend_on_the_thread_count(fgfw_ops, threads):
+    """Partials combine in segment order: the same bits for any number of threads (a 2^16-element tensor
+    runs in parallel)."""
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            gen = torch.Generator().manual_seed(3)
+            params = [torch.randn(1 << 16, generator=gen) * 1e-3]
+            for op, extra in ((fgfw_ops.lp_fw_step_, dict(p=3.0)), (fgfw_ops.ksparse_fw_step_, dict(k=100))):
+                p = [params[0].clone()]
+                gap = torch.zeros((), dtype=torch.float64)
+                op(p, [], [], torch.tensor([2.0, 0.1, 0.0], dtype=torch.float64),
+                   torch.tensor([1.0], dtype=torch.float64), [1.0], False, [0], 9, GAUSSIAN, gap, [], **extra)
+                results.append((p[0], float(gap)))
+    finally:
+        torch.set_num_threads(previous)
+    for (a, gap_a), (b, gap_b) in zip(results[:2], results[2:]):
+        assert torch.equal(a, b) and gap_a == gap_b
+
+
+def test_set_steps_refuse_bad_parameters(fgfw_ops):
+    p = [torch.zeros(4)]
+    args = ([], [torch.ones(4)], torch.tensor([1.0, 0.1, 0.0], dtype=torch.float64), torch.zeros(0, dtype=torch.float64),
+            [1.0], False, [0], 0, GAUSSIAN, torch.zeros((), dtype=torch.float64), [])
+    for bad in (1.0, 0.5, float("inf"), float("nan")):
+        with pytest.raises(RuntimeError, match="p must satisfy 1 < p < inf"):
+            fgfw_ops.lp_fw_step_(p, *args, p=bad)
+    with pytest.raises(RuntimeError, match="k must be >= 1"):
+        fgfw_ops.ksparse_fw_step_(p, *args, k=0)
+    assert torch.equal(p[0], torch.zeros(4))  # nothing moved

@@ -384,11 +384,16 @@ def test_a_param_group_can_bring_its_own_constraint():
     assert torch.allclose(layer.bias.detach(), torch.tensor([0.0, 0.5 * 2 / 3], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("constraint", [fgfw.L2Ball(radius=3.0), fgfw.LInfBall(radius=0.2, scope="row"),
-                                        fgfw.KSparsePolytope(radius=0.3, k=4, scope="global")])
+@pytest.mark.parametrize("constraint", [fgfw.GroupL1Ball(radius=3.0), fgfw.Simplex(radius=1.0, scope="row"),
+                                        fgfw.L2Ball(radius=3.0), fgfw.LpBall(radius=3.0, p=1.5, scope="row"),
+                                        fgfw.LInfBall(radius=0.2, scope="row"),
+                                        fgfw.KSparsePolytope(radius=0.3, k=4, scope="global"),
+                                        fgfw.KSparsePolytope(radius=0.3, k=2, scope="row")])
 def test_other_sets_draw_their_tangents_with_the_backend_and_match_the_reference(constraint):
-    """Sets other than the L1 ball step in torch ops; their forward-gradient estimate is built from tangents
-    of the compiled backend, which must give the pure-torch reference's trajectory (Rademacher: bit for bit)."""
+    """Sets other than the L1 ball step in their fused CPU kernels (L-infinity, Lp, k-sparse) or in torch ops
+    with tangents drawn by the compiled backend; either must give the pure-torch reference's trajectory
+    (backend='torch', torch ops throughout). Rademacher tangents: bit for bit, but for the Lp balls, whose
+    norm is summed in another order (a few ulps)."""
     if not fgfw.HAS_COMPILED_EXTENSION:
         pytest.skip("the compiled CPU kernels are not built")
     x, y = batch()
@@ -402,8 +407,13 @@ def test_other_sets_draw_their_tangents_with_the_backend_and_match_the_reference
         for _ in range(3):
             opt.step(lambda: F.cross_entropy(model(x), y))
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
+    if isinstance(constraint, (fgfw.L2Ball, fgfw.LpBall)):
+        for a, b in zip(runs[0][0], runs[1][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-5)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
 
 
 # -- rescaled steps: a step per ball -------------------------------------------------------------------------
@@ -460,26 +470,39 @@ def test_rescale_is_checked_and_saved():
     assert opt.param_groups[0]["rescale"] is None
 
 
-def test_linf_balls_step_in_the_fused_cpu_kernel_as_in_torch_ops(monkeypatch):
-    """FrankWolfe over L-infinity balls: the CPU backend makes one fused linf_fw_step_ call per step and gives
-    the same parameters as the torch-op step (backend='torch'), bit for bit with backprop gradients."""
+@pytest.mark.parametrize("constraint,kind", [(fgfw.LInfBall(radius=0.5, scope="row"), "linf"),
+                                             (fgfw.L2Ball(radius=2.0, scope="row"), "lp"),
+                                             (fgfw.LpBall(radius=2.0, p=3.0), "lp"),
+                                             (fgfw.KSparsePolytope(radius=0.5, k=5, scope="row"), "ksparse"),
+                                             (fgfw.KSparsePolytope(radius=0.5, k=50, scope="global"), "ksparse")])
+def test_sets_step_in_their_fused_cpu_kernel_as_in_torch_ops(monkeypatch, constraint, kind):
+    """FrankWolfe over L-infinity, Lp and k-sparse balls: the CPU backend makes one fused call of the set's op per
+    step and gives the parameters of the torch-op step (backend='torch'): bit for bit with backprop gradients,
+    within a few ulps for the Lp balls (their norm is summed in another order)."""
     if not fgfw.HAS_COMPILED_EXTENSION:
         pytest.skip("the compiled CPU kernels are not built")
     from fgfw import _ops
     calls = []
-    original = _ops.linf_fw_step_
-    monkeypatch.setattr(_ops, "linf_fw_step_", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    original = _ops.set_fw_step_
+    monkeypatch.setattr(_ops, "set_fw_step_", lambda *a, **k: (calls.append(a[0]), original(*a, **k))[1])
     x, y = batch()
     runs = []
     for backend in ("cpu", "torch"):
         model = mlp()
-        opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.LInfBall(radius=0.5, scope="row"), step_size=0.1,
-                              momentum=0.9, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a start outside the set is moved into it
+            opt = fgfw.FrankWolfe(model.parameters(), constraint=constraint, step_size=0.1, momentum=0.9,
+                                  backend=backend)
         for _ in range(4):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
-    assert calls == [1] * 4  # the cpu run; the torch run steps through reference.fw_step_
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
+    assert calls == [kind] * 4  # the cpu run; the torch run steps through reference.fw_step_
+    if kind == "lp":
+        for a, b in zip(runs[0][0], runs[1][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-6)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)

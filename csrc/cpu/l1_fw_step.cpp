@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -381,14 +382,275 @@ void linf_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> r
   *gap = total_gap;
 }
 
-enum class Set { kL1, kLInf };
+// ---- The Lp step --------------------------------------------------------------------------------
+// s_i = -r sign(d_i) (x_i / N)^(q-1) with x = |d| / M, M = max |d| over the ball and N = ||x||_q
+// (reference.lp_vertex). Pass 1 makes d (and the momentum) and reduces (M, ||d / M||_q^q) per ball; pass 2
+// makes d again (reads the momentum, or regenerates the tangents: no buffer of d) and writes
+// theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s).
+
+// A ball's max |d| and sum (|d| / max)^q, scaled so that no power overflows or underflows to nothing: the
+// block's own max first, then pieces combine as S = S_1 (M_1 / M)^q + S_2 (M_2 / M)^q.
+struct ScaledPowerSum {
+  double max = 0, sum = 0;
+};
+
+template <bool kSquare>
+double power(double x, double q) {
+  return kSquare ? x * x : std::pow(x, q);
+}
+
+template <bool kSquare>
+void combine(ScaledPowerSum& into, const ScaledPowerSum& from, double q) {
+  if (!(from.max > 0)) {
+    if (std::isnan(from.max)) into.max = into.sum = from.max;  // a NaN direction: the step's gap says so
+    return;
+  }
+  if (from.max > into.max) {
+    into.sum = into.sum * power<kSquare>(into.max / from.max, q) + from.sum;
+    into.max = from.max;
+  } else {
+    into.sum += from.sum * power<kSquare>(from.max / into.max, q);
+  }
+}
+
+struct LpSet {
+  double q;     // the dual exponent p / (p - 1)
+  double q_m1;  // q - 1 (1 for the L2 ball: pow(y, 1) = y)
+};
+
+template <typename scalar_t, Source kSource, bool kMomentum, bool kSquare>
+ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& seg, double q) {
+  using acc_t = acc_type<scalar_t>;
+  acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
+  BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
+  alignas(64) acc_t d_block[kBlock];
+  ScaledPowerSum total;
+  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+    const acc_t* g_at = direction.at(begin, n);
+    for (int e = 0; e < n; ++e) {
+      acc_t d = g_at[e];
+      if constexpr (kMomentum) {
+        d = args.keep_v * v[begin + e] + args.gamma * d;
+        v[begin + e] = d;
+      }
+      d_block[e] = d;
+    }
+    ScaledPowerSum block;
+    bool nan = false;
+    for (int e = 0; e < n; ++e) {
+      const double a = std::abs(static_cast<double>(d_block[e]));
+      nan |= std::isnan(a);
+      block.max = a > block.max ? a : block.max;
+    }
+    if (nan) block.max = std::numeric_limits<double>::quiet_NaN();
+    if (block.max > 0) {
+      for (int e = 0; e < n; ++e) block.sum += power<kSquare>(std::abs(static_cast<double>(d_block[e])) / block.max, q);
+    }
+    combine<kSquare>(total, block, q);
+  }
+  return total;
+}
+
+template <typename scalar_t, Source kSource, bool kMomentum, bool kSquare>
+double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, const LpSet& set, double radius,
+                         const ScaledPowerSum& ball, acc_type<scalar_t> alpha_vertex) {
+  using acc_t = acc_type<scalar_t>;
+  scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
+  const acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
+  BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
+  // N = ||d / M||_q; a zero ball (M = 0) has the vertex 0
+  const double norm_q = ball.max > 0 ? (kSquare ? std::sqrt(ball.sum) : std::pow(ball.sum, 1.0 / set.q)) : 0;
+  const bool zero = !(ball.max > 0) && !std::isnan(ball.max);
+  double gap[kLanes] = {};
+  for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+    const acc_t* g_at = kMomentum ? v + begin : direction.at(begin, n);
+    scalar_t* const theta_b = theta + begin;
+    for (int e = 0; e < n; ++e) {
+      const acc_t d = g_at[e];
+      const double x = std::abs(static_cast<double>(d)) / ball.max;
+      const double y = x / norm_q;
+      const double s = zero ? 0.0 : (-radius * sign_with_nan(static_cast<double>(d))) * (kSquare ? y : std::pow(y, set.q_m1));
+      const acc_t old = static_cast<acc_t>(theta_b[e]);
+      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
+      gap[e % kLanes] += static_cast<double>(d) * (static_cast<double>(old) - s);
+    }
+  }
+  double total = 0;
+  for (int l = 0; l < kLanes; ++l) total += gap[l];
+  return total;
+}
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
+                       c10::IntArrayRef row_numel, const double* schedule, double* gap, double p) {
+  using acc_t = acc_type<scalar_t>;
+  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
+  const LpSet set{p / (p - 1), p / (p - 1) - 1};
+  const Layout layout = lay_out(args.params, row_numel);
+  const size_t num_balls = global_ball ? 1 : layout.ball_tensor.size();
+  auto ball_of = [&](const Segment& seg) { return global_ball ? size_t{0} : seg.ball; };
+
+  auto run = [&](auto square) {
+    constexpr bool kSquare = decltype(square)::value;
+    std::vector<ScaledPowerSum> pieces(layout.segments.size());
+    run_in_parallel(layout, [&](int64_t s) {
+      pieces[s] = lp_reduce_segment<scalar_t, kSource, kMomentum, kSquare>(args, layout.segments[s], set.q);
+    });
+    std::vector<ScaledPowerSum> balls(num_balls);
+    for (size_t s = 0; s < pieces.size(); ++s) combine<kSquare>(balls[ball_of(layout.segments[s])], pieces[s], set.q);
+    std::vector<double> shares(layout.segments.size());
+    run_in_parallel(layout, [&](int64_t s) {
+      const size_t b = ball_of(layout.segments[s]);
+      shares[s] = lp_update_segment<scalar_t, kSource, kMomentum, kSquare>(args, layout.segments[s], set, radii[b],
+                                                                           balls[b], alpha_vertex);
+    });
+    double total_gap = 0;
+    for (double share : shares) total_gap += share;  // in segment order: the same for any thread count
+    *gap = total_gap;
+  };
+  if (p == 2.0) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+}
+
+// ---- The k-sparse step ---------------------------------------------------------------------------
+// s = -r sign(d) on the k largest |d| of each ball, ties to the lowest index (reference.ksparse_vertex).
+// Pass 1 makes d (into the momentum, or into a buffer of the group's size); then per ball the k-th largest
+// key (|d| as bits: NaN above inf, as the L1 step ranks) by nth_element on a copy of the ball's keys, the
+// number of elements above it, and per segment the number of equal keys before it (ties go in index
+// order); pass 2 writes theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s).
+
+template <typename acc_t>
+struct Selection {
+  typename AbsBits<acc_t>::type threshold{};  // the k-th largest key of the ball
+  int64_t ties_taken = 0;                      // how many keys equal to it are chosen (the first ones)
+};
+
+template <typename scalar_t, Source kSource, bool kMomentum>
+void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
+                            c10::IntArrayRef row_numel, const double* schedule, double* gap, int64_t k) {
+  using acc_t = acc_type<scalar_t>;
+  using bits_t = typename AbsBits<acc_t>::type;
+  const at::TensorList params = args.params;
+  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
+  const Layout layout = lay_out(params, row_numel);
+  const std::vector<Segment>& segments = layout.segments;
+
+  // d of every tensor: the momentum itself, or a buffer
+  std::vector<acc_t> buffer(kMomentum ? 0 : static_cast<size_t>(layout.total));
+  std::vector<acc_t*> d_of(params.size());
+  int64_t at = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    d_of[t] = kMomentum ? args.momentum[t].template data_ptr<acc_t>() : buffer.data() + at;
+    at += params[t].numel();
+  }
+  run_in_parallel(layout, [&](int64_t s) {
+    const Segment& seg = segments[s];
+    BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
+    acc_t* const d = d_of[seg.tensor];
+    for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+      const acc_t* g_at = direction.at(begin, n);
+      for (int e = 0; e < n; ++e) {
+        if constexpr (kMomentum) {
+          d[begin + e] = args.keep_v * d[begin + e] + args.gamma * g_at[e];
+        } else {
+          d[begin + e] = g_at[e];
+        }
+      }
+    }
+  });
+
+  // The balls as runs of segments (lay_out lists a ball's segments together, in index order).
+  const size_t num_balls = global_ball ? 1 : layout.ball_tensor.size();
+  auto ball_of = [&](const Segment& seg) { return global_ball ? size_t{0} : seg.ball; };
+  std::vector<std::vector<size_t>> ball_segments(num_balls);
+  for (size_t s = 0; s < segments.size(); ++s) ball_segments[ball_of(segments[s])].push_back(s);
+
+  std::vector<Selection<acc_t>> selections(num_balls);
+  auto select = [&](int64_t b_begin, int64_t b_end) {
+    std::vector<bits_t> keys;
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      keys.clear();
+      for (size_t s : ball_segments[b]) {
+        const acc_t* d = d_of[segments[s].tensor];
+        for (int64_t i = segments[s].begin; i < segments[s].end; ++i) keys.push_back(AbsBits<acc_t>::of(d[i]));
+      }
+      if (keys.empty()) continue;
+      const int64_t chosen = std::min<int64_t>(k, static_cast<int64_t>(keys.size()));
+      std::nth_element(keys.begin(), keys.begin() + (chosen - 1), keys.end(), std::greater<bits_t>());
+      const bits_t threshold = keys[chosen - 1];
+      const int64_t above = std::count_if(keys.begin(), keys.begin() + (chosen - 1),
+                                          [&](bits_t key) { return key > threshold; });
+      selections[b] = {threshold, chosen - above};
+    }
+  };
+  if (layout.total < kParallelMin) {
+    select(0, static_cast<int64_t>(num_balls));
+  } else {
+    at::parallel_for(0, static_cast<int64_t>(num_balls), 1, select);
+  }
+
+  // Keys equal to the threshold before each segment of its ball: the ties are taken in index order.
+  std::vector<int64_t> ties_before(segments.size());
+  run_in_parallel(layout, [&](int64_t s) {
+    const Segment& seg = segments[s];
+    const acc_t* d = d_of[seg.tensor];
+    const bits_t threshold = selections[ball_of(seg)].threshold;
+    int64_t count = 0;
+    for (int64_t i = seg.begin; i < seg.end; ++i) count += AbsBits<acc_t>::of(d[i]) == threshold;
+    ties_before[s] = count;
+  });
+  for (const std::vector<size_t>& runs : ball_segments) {
+    int64_t before = 0;
+    for (size_t s : runs) {
+      const int64_t count = ties_before[s];
+      ties_before[s] = before;
+      before += count;
+    }
+  }
+
+  std::vector<double> shares(segments.size());
+  run_in_parallel(layout, [&](int64_t s) {
+    const Segment& seg = segments[s];
+    const size_t b = ball_of(seg);
+    const Selection<acc_t> selection = selections[b];
+    const double radius = radii[b];
+    scalar_t* const theta = params[seg.tensor].template data_ptr<scalar_t>();
+    const acc_t* const d = d_of[seg.tensor];
+    int64_t tie_rank = ties_before[s];
+    double share[kLanes] = {};
+    for (int64_t i = seg.begin; i < seg.end; ++i) {
+      const bits_t key = AbsBits<acc_t>::of(d[i]);
+      bool chosen = key > selection.threshold;
+      if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
+      const double s64 = chosen ? -radius * sign_with_nan(static_cast<double>(d[i])) : 0.0;
+      const acc_t old = static_cast<acc_t>(theta[i]);
+      theta[i] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s64));
+      share[i % kLanes] += static_cast<double>(d[i]) * (static_cast<double>(old) - s64);
+    }
+    double total = 0;
+    for (int l = 0; l < kLanes; ++l) total += share[l];
+    shares[s] = total;
+  });
+  double total_gap = 0;
+  for (double share : shares) total_gap += share;
+  *gap = total_gap;
+}
+
+enum class Set { kL1, kLInf, kLp, kKSparse };
 
 // Both steps' arguments, checked and unpacked; runs the set's kernel in the variant they ask for.
+// set_param: p for the Lp step, k for the k-sparse step, unused otherwise.
 template <Set kSet>
 void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
-                    const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
-                    c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
-                    c10::IntArrayRef row_numel) {
+                 const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
+                 c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                 c10::IntArrayRef row_numel, double set_param = 0) {
   check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
                         gap, row_numel);
   double* gap_out = gap.data_ptr<double>();
@@ -415,9 +677,15 @@ void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList 
       if constexpr (kSet == Set::kL1) {
         l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
             args, radii, global_ball, row_numel, sched, gap_out);
-      } else {
+      } else if constexpr (kSet == Set::kLInf) {
         linf_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
             args, radii, global_ball, row_numel, sched, gap_out);
+      } else if constexpr (kSet == Set::kLp) {
+        lp_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
+            args, radii, global_ball, row_numel, sched, gap_out, set_param);
+      } else {
+        ksparse_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
+            args, radii, global_ball, row_numel, sched, gap_out, static_cast<int64_t>(set_param));
       }
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
@@ -440,11 +708,31 @@ void linf_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::Tensor
                           distribution, gap, row_numel);
 }
 
+void lp_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
+                    const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
+                    c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
+                    c10::IntArrayRef row_numel, double p) {
+  check_lp_exponent(p);
+  fw_step_cpu<Set::kLp>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                        distribution, gap, row_numel, p);
+}
+
+void ksparse_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                         const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
+                         bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
+                         const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k) {
+  check_ksparse_k(k);
+  fw_step_cpu<Set::kKSparse>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                             distribution, gap, row_numel, static_cast<double>(k));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fgfw, CPU, m) {
   m.impl("l1_fw_step_", &l1_fw_step_cpu);
   m.impl("linf_fw_step_", &linf_fw_step_cpu);
+  m.impl("lp_fw_step_", &lp_fw_step_cpu);
+  m.impl("ksparse_fw_step_", &ksparse_fw_step_cpu);
 }
 
 }  // namespace fgfw

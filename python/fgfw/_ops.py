@@ -232,23 +232,42 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
         reference.l1_fw_step_(*args)
 
 
-def linf_fw_step_available(backend: str) -> bool:
-    """Whether ``backend`` has a fused L-infinity step (the CPU kernel, and the reference)."""
-    return backend == "torch" or (backend == "cpu" and _has_kernel("linf_fw_step_", "CPU"))
+# The fused steps of the sets other than the L1 ball: the op of each, and the keyword of its own parameter.
+SET_STEPS = {"linf": ("linf_fw_step_", None), "lp": ("lp_fw_step_", "p"), "ksparse": ("ksparse_fw_step_", "k")}
 
 
-def linf_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-                  gap, backend: str, row_numel=()) -> None:
-    """One fused L-infinity-ball Frank-Wolfe step (see ``reference.linf_fw_step_``), arguments prepared as
-    for ``l1_fw_step_(prepared=True)``; ``backend`` 'cpu' (the C++ kernel) or 'torch'."""
+def set_fw_step_available(kind: str, backend: str) -> bool:
+    """Whether ``backend`` has the fused step of ``kind`` (a key of SET_STEPS): the reference ('torch') always,
+    the compiled CPU and CUDA kernels and the Triton kernels where they are built and registered."""
+    op = SET_STEPS[kind][0]
+    if backend == "torch":
+        return True
+    if backend in ("cpu", "cuda"):
+        return _has_kernel(op, backend.upper())
+    if backend == "triton":
+        module = _triton_module()
+        return module is not None and hasattr(torch.ops.fgfw_triton, op)
+    return False
+
+
+def set_fw_step_(kind: str, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                 distribution, gap, backend: str, row_numel=(), param=None) -> None:
+    """One fused Frank-Wolfe step over the balls of set ``kind`` (SET_STEPS: 'linf', 'lp' with ``param`` = p,
+    'ksparse' with ``param`` = k; see ``reference.<kind>_fw_step_``), arguments prepared as for
+    ``l1_fw_step_(prepared=True)``, on ``backend``."""
+    op, keyword = SET_STEPS[kind]
     args = (params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution, gap,
             row_numel)
-    if backend == "cpu":
-        torch.ops.fgfw.linf_fw_step_(*args)
-    elif backend == "torch":
-        reference.linf_fw_step_(*args)
+    extra = {} if keyword is None else {keyword: param}
+    if not set_fw_step_available(kind, backend):
+        raise ValueError(f"backend {backend!r} has no fused {op}; available: "
+                         f"{[b for b in BACKENDS if set_fw_step_available(kind, b)]}")
+    if backend in ("cpu", "cuda"):
+        getattr(torch.ops.fgfw, op)(*args, **extra)
+    elif backend == "triton":
+        getattr(torch.ops.fgfw_triton, op)(*args, **extra)
     else:
-        raise ValueError(f"the fused L-infinity step runs on the 'cpu' or 'torch' backend, got {backend!r}")
+        getattr(reference, op)(*args, **extra)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

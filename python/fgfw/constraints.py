@@ -66,13 +66,7 @@ def _unit_max_rows(d: torch.Tensor) -> torch.Tensor:
     return d64 / torch.where(scale > 0, scale, 1.0)
 
 
-def _unit_max(d: torch.Tensor) -> torch.Tensor:
-    """d in float64 divided by max |d_i| (d itself when that is 0 or d is empty): entries in [-1, 1], one of
-    them +-1, so that the norms of the vertices neither underflow nor overflow; every vertex is invariant
-    to a positive scale of d."""
-    d64 = d.double()
-    scale = d64.abs().max() if d64.numel() else None
-    return d64 / scale if scale is not None and scale > 0 else d64
+_unit_max = reference._unit_max  # d / max|d_i| in float64 (one definition, the reference's)
 
 
 class Constraint:
@@ -185,6 +179,11 @@ class Constraint:
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         """``max ||s - s'||_2`` over the ball of radius r (for :meth:`from_init_diameter`)."""
         raise NotImplementedError
+
+    def fused_step(self) -> tuple[str, float | int | None] | None:
+        """The fused kernel that steps this set (a key of ``fgfw._ops.SET_STEPS`` and its parameter), or None
+        for a set stepped in torch ops through :meth:`vertex` (the L1 ball has kernels of its own)."""
+        return None
 
     def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
         """The vertices of B balls of n elements at once (scope "row"): ``d`` of shape (B, n) in float64,
@@ -340,11 +339,12 @@ class L2Ball(Constraint):
         return float(torch.linalg.vector_norm(x))
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
-        # d / max|d_i| first: the norm squares its entries, which underflow to 0 below ~1e-154 in float64
-        # (giving the zero vector, no minimiser for d != 0) and overflow above ~1e154
-        d64 = _unit_max(d)
-        norm = torch.linalg.vector_norm(d64)
-        return torch.zeros_like(d) if norm == 0 else (-radius * d64 / norm).to(d.dtype)
+        # d / max|d_i| first (inside lp_vertex): the norm squares its entries, which underflow to 0 below
+        # ~1e-154 in float64 (giving the zero vector, no minimiser for d != 0) and overflow above ~1e154
+        return reference.lp_vertex(d, radius, 2.0)
+
+    def fused_step(self):
+        return ("lp", 2.0)
 
     def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
         d64 = _unit_max_rows(d)
@@ -367,6 +367,9 @@ class LInfBall(Constraint):
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return -radius * torch.sign(d)
+
+    def fused_step(self):
+        return ("linf", None)
 
     def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
         return -radii.to(d.dtype).unsqueeze(1) * torch.sign(d)
@@ -401,15 +404,10 @@ class LpBall(Constraint):
         return float(torch.linalg.vector_norm(x, ord=self.p))
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
-        q = self.p / (self.p - 1)
-        # d / max|d_i| first: ||d||_q takes |d_i|^q, which overflows or underflows for large q (q = 101 for
-        # p = 1.01: any |d_i| > 1e3 gives inf, all |d_i| < 1e-3 give 0) and made the vertex the zero vector
-        d64 = _unit_max(d)
-        norm_q = torch.linalg.vector_norm(d64, ord=q)  # in [1, n^(1/q)]
-        if norm_q == 0:
-            return torch.zeros_like(d)
-        # |d_i / ||d||_q|^(q-1): scaled first, so no power overflows
-        return (-radius * torch.sign(d64) * (d64.abs() / norm_q).pow(q - 1)).to(d.dtype)
+        return reference.lp_vertex(d, radius, self.p)
+
+    def fused_step(self):
+        return ("lp", self.p)
 
     def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
         q = self.p / (self.p - 1)
@@ -453,16 +451,15 @@ class KSparsePolytope(Constraint):
         return max(float(x.abs().sum()) / min(self.k, x.numel()), float(x.abs().max()))
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
-        k = min(self.k, d.numel())
-        # a stable sort of -|d|: equal magnitudes keep their order, so the lowest indices win ties
-        order = torch.sort(-d.abs(), stable=True).indices[:k]
-        s = torch.zeros_like(d)
-        s[order] = -radius * torch.sign(d[order])
-        return s
+        return reference.ksparse_vertex(d, radius, self.k)
+
+    def fused_step(self):
+        return ("ksparse", self.k)
 
     def row_vertices(self, d: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
         k = min(self.k, d.shape[1])
-        order = torch.sort(-d.abs(), dim=1, stable=True).indices[:, :k]
+        # reference.ksparse_vertex's order per row: a stable descending sort, the lowest indices win ties
+        order = torch.sort(reference.magnitude_order(d), dim=1, descending=True, stable=True).indices[:, :k]
         s = torch.zeros_like(d)
         s.scatter_(1, order, -radii.to(d.dtype).unsqueeze(1) * torch.sign(d.gather(1, order)))
         return s

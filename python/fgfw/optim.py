@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _ops, activity, constraints, distributed, forward_grad, reference, schedules
-from .constraints import Constraint, L1Ball, LInfBall, _user_stacklevel
+from .constraints import Constraint, L1Ball, _user_stacklevel
 
 STATE_KEY = "fgfw"
 # "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
@@ -115,7 +115,7 @@ class _Call:
     steps and with what constants. Only the gradients, the schedule and the gap are made per step."""
 
     __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
-                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_linf")
+                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_set")
 
     def __init__(self, device, dtype, backend, momentum, global_ball, group):
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -131,7 +131,7 @@ class _Call:
         # a global ball's parameters without a gradient: a zero gradient (its update scales every parameter)
         self.zero_grads: dict[int, torch.Tensor] = {}
         self.constraint: Constraint | None = None  # a set other than the L1 ball: stepped by its vertex
-        self.fused_linf = False  # that set is an L-infinity ball the fused CPU kernel steps
+        self.fused_set = None  # (kind, parameter) when a fused kernel steps that set (Constraint.fused_step)
 
 
 class _Plan:
@@ -495,9 +495,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     call = calls[(device, dtype, *shared)] = _Call(device, dtype, shared[0], momentum,
                                                                      constraint.global_ball, group)
                     call.constraint = None if fused else constraint
-                    # an L-infinity ball on the CPU backend, not rescaled: the fused one-pass kernel
-                    call.fused_linf = (type(constraint) is LInfBall and group["rescale"] is None
-                                       and shared[0] == "cpu" and _ops.linf_fw_step_available("cpu"))
+                    # an L-infinity, Lp or k-sparse set, not rescaled, on a backend with its fused kernel; the
+                    # 'torch' backend keeps reference.fw_step_, whose row vertices are batched
+                    fused_set = constraint.fused_step() if group["rescale"] is None else None
+                    if (fused_set is not None and shared[0] != "torch"
+                            and _ops.set_fw_step_available(fused_set[0], shared[0])):
+                        call.fused_set = fused_set
                     if constraint.global_ball:
                         call.radii = [float(r) for r in group["radii"]]
                 if constraint.global_ball and self._missing_gradient(p):
@@ -624,10 +627,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self._make_state(call)
                 plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
-            if call.fused_linf:
-                _ops.linf_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
-                                   coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
-                                   gap, call.backend, call.row_numel)
+            if call.fused_set is not None:
+                _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
+                                  schedule[c], coeffs_on[device], call.radii, call.global_ball, call.starts, seed,
+                                  distribution, gap, call.backend, call.row_numel, call.fused_set[1])
             elif call.constraint is not None:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)

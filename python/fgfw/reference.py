@@ -331,6 +331,73 @@ def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tenso
              global_ball, offsets, seed, distribution, gap, row_numel)
 
 
+def _unit_max(d: torch.Tensor) -> torch.Tensor:
+    """d in float64 divided by max |d_i| (d itself when that is 0 or d is empty): entries in [-1, 1], one of
+    them +-1, so that norms and powers of it neither underflow nor overflow; the vertices below are invariant
+    to a positive scale of d."""
+    d64 = d.double()
+    scale = d64.abs().max() if d64.numel() else None
+    return d64 / scale if scale is not None and scale > 0 else d64
+
+
+def lp_vertex(d: torch.Tensor, radius: float, p: float) -> torch.Tensor:
+    """``argmin_{||s||_p <= r} <d, s>`` for 1 < p < inf (p = 2: the L2 ball), flat, in d's dtype:
+    ``s_i = -r sign(d_i) (x_i / ||x||_q)^(q-1)`` with ``x = |d| / max|d|`` in float64 and 1/p + 1/q = 1
+    (equality in Hoelder's inequality; 0 for d = 0). Dividing by max|d| first keeps ``x_i^q`` finite: for
+    p = 1.01, q = 101, and any |d_i| > 1e3 overflowed. The spec of the fused ``lp_fw_step_``."""
+    q = p / (p - 1)  # 2.0 exactly for p = 2, and pow(y, 1.0) = y: the L2 vertex -r d / ||d||_2
+    x = _unit_max(d)
+    norm_q = torch.linalg.vector_norm(x, ord=q)  # in [1, n^(1/q)]
+    if norm_q == 0:
+        return torch.zeros_like(d)
+    return (-radius * torch.sign(x) * (x.abs() / norm_q).pow(q - 1)).to(d.dtype)
+
+
+def magnitude_order(d: torch.Tensor) -> torch.Tensor:
+    """The order of |d| the k-sparse vertex ranks by, as int64 keys: the bits of |d_i| in float64 (the same
+    order as |d_i|, with every NaN above +inf, as the kernels compare them), taken along the last dim."""
+    return d.double().view(torch.int64) & 0x7FFFFFFFFFFFFFFF
+
+
+def ksparse_vertex(d: torch.Tensor, radius: float, k: int) -> torch.Tensor:
+    """``argmin <d, s>`` over the k-sparse polytope of radius r (``||s||_inf <= r, ||s||_1 <= k r``), flat, in
+    d's dtype: ``-r sign(d_i)`` on the k largest |d_i| (ties: the lowest indices; NaN counted largest, as
+    the L1 step's argmax), 0 elsewhere. All of d when it has at most k elements. The spec of the fused
+    ``ksparse_fw_step_``."""
+    k = min(k, d.numel())
+    # a stable descending sort of the keys: equal magnitudes keep their index order
+    chosen = torch.sort(magnitude_order(d), descending=True, stable=True).indices[:k]
+    s = torch.zeros_like(d)
+    s[chosen] = -radius * torch.sign(d[chosen])
+    return s
+
+
+def lp_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
+                offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (),
+                p: float = 2.0) -> None:
+    """One Frank-Wolfe step over Lp ball(s), 1 < p < inf: :func:`fw_step_` with :func:`lp_vertex` (the spec
+    of the fused ``lp_fw_step_`` kernels: a reduction pass for max|d| and ||d/max|d| ||_q per ball, then the
+    update pass)."""
+    if not 1 < p < float("inf"):
+        raise ValueError(f"p must satisfy 1 < p < inf, got {p}")
+    fw_step_(lambda d, r, shape: lp_vertex(d, r, p), params, momentum, grads, schedule, tangent_coeffs, radii,
+             global_ball, offsets, seed, distribution, gap, row_numel)
+
+
+def ksparse_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                     grads: Sequence[torch.Tensor], schedule: torch.Tensor, tangent_coeffs: torch.Tensor,
+                     radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
+                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1) -> None:
+    """One Frank-Wolfe step over k-sparse polytope(s): :func:`fw_step_` with :func:`ksparse_vertex` (the spec
+    of the fused ``ksparse_fw_step_`` kernels: a selection of the k-th largest |d| per ball, then the update
+    pass)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    fw_step_(lambda d, r, shape: ksparse_vertex(d, r, k), params, momentum, grads, schedule, tangent_coeffs, radii,
+             global_ball, offsets, seed, distribution, gap, row_numel)
+
+
 RESCALES = ("diameter", "gradient")
 
 

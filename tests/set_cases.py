@@ -1,0 +1,116 @@
+"""What every backend's fused set steps (linf_fw_step_, lp_fw_step_, ksparse_fw_step_) are checked with: the
+same inputs through the kernel and through fgfw.reference, and the comparison. Used by the CPU, CUDA and
+Triton tests (each passes its op and device).
+
+What must agree, and how exactly:
+* momentum: bit for bit wherever no transcendental is involved (backprop gradients, Rademacher tangents);
+* the L-infinity and k-sparse steps: theta bit for bit as well (the vertex is -r sign(d) on a selection,
+  the update keep theta + alpha_vertex s is the reference's rounding); the k-sparse selection exactly;
+* the Lp steps: within a few ulps of the compute dtype (the norm is a float64 sum in another order, and
+  pow differs in the last bit between libraries);
+* the gap: a float64 sum in another order, relative tolerance.
+"""
+import pytest
+import torch
+
+from fgfw import reference as ref
+
+GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
+
+# kind -> (the reference step, the keyword of the set's parameter, values of it to test)
+SETS = {
+    "linf": (ref.linf_fw_step_, None, [None]),
+    "lp": (ref.lp_fw_step_, "p", [2.0, 1.5, 3.0, 1.01]),
+    "ksparse": (ref.ksparse_fw_step_, "k", [1, 3, 40, 10_000]),
+}
+CASES = [(kind, param) for kind, (_, _, params) in SETS.items() for param in params]
+SCOPES = ["tensor", "row", "global"]
+SOURCES = ["grad", "rademacher", "gaussian"]
+# shapes with rows of 33 and 20, a vector, an empty tensor, and a tensor longer than a CPU segment (2^14)
+SHAPES = [(7, 33), (5,), (3, 4, 5), (0,), (40_000,)]
+ROW_NUMEL = [33, 0, 20, 0, 0]
+
+
+def radii_for(scope: str) -> list[float]:
+    return {"global": [0.3], "row": [0.3] * 7 + [0.2] + [0.4] * 3 + [0.5, 0.25],
+            "tensor": [0.3, 0.2, 0.4, 0.5, 0.25]}[scope]
+
+
+def inputs(dtype, momentum: bool, source: str, scope: str, device, *, ties: bool = False, seed: int = 7):
+    """(params, momentum, grads, coeffs, row_numel, radii, offsets) for one step. ``ties``: gradients made of a
+    few repeated magnitudes, so that the k-sparse selection must break ties by index."""
+    gen = torch.Generator().manual_seed(seed)
+    cdt = ref.compute_dtype(dtype)
+    params = [((torch.rand(s, generator=gen) * 2 - 1) * 0.01).to(dtype) for s in SHAPES]
+    if source == "grad":
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        if ties:
+            grads = [torch.round(g * 2) / 2 for g in grads]
+        grads = [g.to(dtype) for g in grads]
+    else:
+        grads = []
+    moms = [torch.randn(s, generator=gen).to(cdt) for s in SHAPES] if momentum else []
+    if ties and momentum:
+        moms = [torch.round(m * 2) / 2 for m in moms]
+    coeffs = (torch.tensor([0.7, -1.1], dtype=torch.float64) if source != "grad"
+              else torch.zeros(0, dtype=torch.float64))
+    offsets, start = [], 0
+    for s in SHAPES:
+        offsets.append(start)
+        start += -(-torch.Size(s).numel() // 4) * 4
+    move = lambda xs: [x.to(device) for x in xs]  # noqa: E731
+    return (move(params), move(moms), move(grads), coeffs.to(device), ROW_NUMEL if scope == "row" else [],
+            radii_for(scope), offsets)
+
+
+def run_set_step(step, kind: str, param, dtype, momentum: bool, source: str, scope: str, device, *,
+                 schedule=(3.0, 0.2, 0.4), ties: bool = False):
+    """The reference and then ``step`` (an op with the reference's signature) on the same inputs; returns
+    [(params, momentum, gap)] for each, on the CPU."""
+    ref_step, keyword, _ = SETS[kind]
+    params, moms, grads, coeffs, row_numel, radii, offsets = inputs(dtype, momentum, source, scope, device,
+                                                                    ties=ties)
+    extra = {} if keyword is None else {keyword: param}
+    runs = []
+    for fn in (ref_step, step):
+        ps, ms = [p.clone() for p in params], [m.clone() for m in moms]
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        fn(ps, ms, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64, device=device), coeffs,
+           radii, scope == "global", offsets, 5, RADEMACHER if source == "rademacher" else GAUSSIAN, gap, row_numel,
+           **extra)
+        runs.append(([p.cpu() for p in ps], [m.cpu() for m in ms], float(gap)))
+    return runs
+
+
+def assert_set_step_matches(runs, kind: str, dtype, source: str) -> None:
+    (p_ref, m_ref, gap_ref), (p, m, gap) = runs
+    exact_momentum = source != "gaussian"
+    for t, (a, b) in enumerate(zip(m, m_ref)):
+        if exact_momentum:
+            assert torch.equal(a, b), f"momentum[{t}] differs"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda s: f"momentum[{t}]: {s}")
+    cdt = ref.compute_dtype(dtype)
+    for t, (a, b) in enumerate(zip(p, p_ref)):
+        if kind in ("linf", "ksparse") and exact_momentum:
+            assert torch.equal(a, b), f"params[{t}] differs: max {float((a.double() - b.double()).abs().max())}"
+        elif source == "gaussian" or dtype in (torch.bfloat16, torch.float16):
+            # a Gaussian tangent an ulp off can flip a k-sparse choice between near-equal |d|: an element moves
+            # by at most 2 alpha r there; the Lp vertex is an ulp off in the parameter's dtype
+            torch.testing.assert_close(a.double(), b.double(), rtol=2e-2 if dtype in (torch.bfloat16, torch.float16)
+                                       else 1e-4, atol=0.2 if kind == "ksparse" else 1e-5,
+                                       msg=lambda s: f"params[{t}]: {s}")
+        else:
+            eps = torch.finfo(cdt).eps
+            torch.testing.assert_close(a, b, rtol=8 * eps, atol=8 * eps * 0.5, msg=lambda s: f"params[{t}]: {s}")
+    assert gap == pytest.approx(gap_ref, rel=1e-6 if source == "gaussian" or cdt == torch.float32 else 1e-10)
+
+
+def check_ksparse_selection_exact(step, device, dtype=torch.float32) -> None:
+    """Ties broken by index: with gradients of a few repeated magnitudes, the k-sparse step moves exactly the
+    reference's elements (bit for bit), for every scope and several k."""
+    for scope in SCOPES:
+        for k in (1, 3, 40):
+            runs = run_set_step(step, "ksparse", k, dtype, False, "grad", scope, device, ties=True)
+            for a, b in zip(runs[1][0], runs[0][0]):
+                assert torch.equal(a, b), f"scope {scope}, k {k}"
