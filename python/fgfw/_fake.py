@@ -1,6 +1,6 @@
 """Fake (meta) implementations of the C++ ops of ``fgfw._C``, so that torch.compile can trace them.
 
-Both ops only mutate their arguments in place: their schemas return ``()`` and mark every written
+The ops only mutate their arguments in place: their schemas return ``()`` and mark every written
 tensor with ``(a!)``, which is all that functionalization and Inductor need to know. A fake call has
 no data to write and no output to describe, so it does nothing; the arguments are checked by the
 kernels themselves when the compiled graph runs (csrc/op_args.cpp), with the same errors as eager.
@@ -34,4 +34,16 @@ def _l1_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, g
 @torch.library.register_fake("fgfw::linf_fw_step_")
 def _linf_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
                        distribution, gap, row_numel=()) -> None:
+    return None
+
+
+@torch.library.register_fake("fgfw::lp_fw_step_")
+def _lp_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                     distribution, gap, row_numel=(), p=2.0) -> None:
+    return None
+
+
+@torch.library.register_fake("fgfw::ksparse_fw_step_")
+def _ksparse_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                          distribution, gap, row_numel=(), k=1) -> None:
     return None

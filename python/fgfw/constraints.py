@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -590,8 +590,10 @@ class NuclearNormBall(Constraint):
     """The nuclear-norm ball ``{W : sum of singular values <= r}`` of each weight matrix (low rank): vertex
     ``-r u_1 v_1^T`` from the top singular pair of the direction (as a matrix: a tensor of more than two
     dimensions is taken as ``(shape[0], -1)``, a vector as one row). The pair comes from power iterations
-    on ``d^T d`` started from d's row of largest norm, until the singular value settles (relative change
-    below 1e-10, at most ``max_iterations``); not a fused kernel. Scope "tensor" only.
+    on ``d^T d`` until the singular value settles (relative change below 1e-10, at most ``max_iterations``),
+    started from the previous step's right singular vector, which the optimizers keep in their state
+    (``"singular_vector"``; the row of d of largest norm at the first step); not a fused kernel. Scope
+    "tensor" only.
     """
 
     KIND, NAME, GAUGE = "nuclear_norm_ball", "nuclear-norm ball", "nuclear norm"
@@ -621,16 +623,31 @@ class NuclearNormBall(Constraint):
         return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.vertex_and_vector(d, radius, shape)[0]
+
+    def vertex_and_vector(self, d: torch.Tensor, radius: float, shape: tuple[int, ...],
+                          start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(the vertex, the right singular vector v_1 it used (float64, or None for d = 0), the number of power
+        iterations). ``start``: a unit vector to start the iterations from, the previous step's v_1 (the
+        optimizers keep it in their state: the direction changes little from step to step, so a few iterations
+        suffice where a cold start takes tens); the row of largest norm when it is None, of another size, or
+        orthogonal to d's rows."""
         # scaled by 1 / max|d_ij| (the vertex does not change): the row norms square the entries, which
         # underflowed to 0 for tiny directions (the zero vertex) and overflowed to inf for huge ones (nan)
         m = self._matrix(_unit_max(d), shape)
         rows = torch.linalg.vector_norm(m, dim=1)
         if float(rows.max()) == 0:
-            return torch.zeros_like(d)
-        v = m[int(torch.argmax(rows))].clone()
-        v /= torch.linalg.vector_norm(v)
-        sigma = 0.0
-        for _ in range(self.max_iterations):
+            return torch.zeros_like(d), None, 0
+        v = None
+        if start is not None and start.numel() == m.shape[1]:
+            v = start.to(m)
+            if not float(torch.linalg.vector_norm(m @ v)) > 0:
+                v = None
+        if v is None:
+            v = m[int(torch.argmax(rows))].clone()
+        v = v / torch.linalg.vector_norm(v)
+        sigma, iterations = 0.0, 0
+        for iterations in range(1, self.max_iterations + 1):
             u = m @ v
             sigma_new = float(torch.linalg.vector_norm(u))
             u /= sigma_new
@@ -641,7 +658,23 @@ class NuclearNormBall(Constraint):
             sigma = sigma_new
         u = m @ v
         u /= torch.linalg.vector_norm(u)
-        return (-radius * torch.outer(u, v)).reshape(-1).to(d.dtype)
+        return (-radius * torch.outer(u, v)).reshape(-1).to(d.dtype), v, iterations
+
+    def warm_started(self, states: Sequence[dict]) -> "Callable":
+        """A ``vertex(d, r, shape)`` for reference.fw_step_ over the balls of one call, in order (one per tensor:
+        scope "tensor"), that starts each tensor's power iterations from ``states[t]["singular_vector"]`` and
+        stores the new v_1 there (float64) with the iteration count in ``"power_iterations"``."""
+        at = iter(states)
+
+        def vertex(d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+            state = next(at)
+            s, v, iterations = self.vertex_and_vector(d, radius, shape, state.get("singular_vector"))
+            if v is not None:
+                state["singular_vector"] = v.to(torch.float64)
+            state["power_iterations"] = iterations
+            return s
+
+        return vertex
 
     def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
         return 2.0 * radius  # Frobenius: the vertices are unit rank-one matrices times r

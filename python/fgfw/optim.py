@@ -360,6 +360,14 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     raise ValueError(f"state_dict's {key} of parameter {i} of param group {g} has shape "
                                      f"{tuple(value.shape)}, the parameter has shape {tuple(p.shape)}: the state "
                                      f"was saved for another model")
+            vector = entry.get("singular_vector")
+            if vector is not None:
+                columns = p.numel() // p.shape[0] if p.dim() >= 2 and p.shape[0] else p.numel()
+                if not isinstance(vector, torch.Tensor) or not vector.is_floating_point() or \
+                        vector.shape != (columns,):
+                    raise ValueError(f"state_dict's singular_vector of parameter {i} of param group {g} must be a "
+                                     f"floating tensor of shape ({columns},) (a nuclear-norm ball's warm start), "
+                                     f"got {vector!r}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state saved by :meth:`state_dict` of the same optimizer class over parameters of the same
@@ -393,6 +401,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
+            if "singular_vector" in saved:  # float64, as the power iterations left it: resumes bit-identically
+                self.state[p]["singular_vector"] = saved["singular_vector"].to(device=p.device, dtype=torch.float64,
+                                                                               copy=True)
         self._load_extra_state(extra)
         self._plan_cache = None  # new state tensors
 
@@ -634,7 +645,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             elif call.constraint is not None:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
-                reference.fw_step_(call.constraint.vertex, call.targets, call.moms, call_grads, schedule[c],
+                vertex = call.constraint.vertex
+                if isinstance(call.constraint, constraints.NuclearNormBall):  # power iterations from last step's v_1
+                    vertex = call.constraint.warm_started([self.state[p] for p in call.params])
+                reference.fw_step_(vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
                                    gap, call.row_numel, shrink=call.constraint.SHRINK_STEP,
                                    rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter,
