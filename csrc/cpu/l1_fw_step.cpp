@@ -333,6 +333,18 @@ T sign_with_nan(T x) {
   return x != x ? x : sign_of(x);
 }
 
+// Sums x[e] * y[e] (or x[e] alone, y null) of a block into kLanes running sums: loops the compiler vectorises.
+template <typename acc_t>
+void add_in_lanes(double (&lanes)[kLanes], const acc_t* x, const acc_t* y, int n) {
+  int e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l] += static_cast<double>(x[e + l]) * (y ? static_cast<double>(y[e + l]) : 1.0);
+    }
+  }
+  for (; e < n; ++e) lanes[0] += static_cast<double>(x[e]) * (y ? static_cast<double>(y[e]) : 1.0);
+}
+
 template <typename scalar_t, Source kSource, bool kMomentum>
 double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double radius, acc_type<scalar_t> alpha_vertex) {
   using acc_t = acc_type<scalar_t>;
@@ -340,6 +352,9 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   const acc_t s_magnitude = -static_cast<acc_t>(radius);
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
+  alignas(64) acc_t d_block[kBlock];
+  alignas(64) acc_t abs_block[kBlock];
+  alignas(64) acc_t theta_old[kBlock];
   double dot[kLanes] = {};   // <d, theta_old>
   double mass[kLanes] = {};  // sum |d|
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
@@ -356,9 +371,12 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
       // keep theta + alpha_vertex s, with s = -r sign(d) rounded as the reference rounds it
       const acc_t s = s_magnitude * sign_with_nan(d);
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * s);
-      dot[e % kLanes] += static_cast<double>(d) * static_cast<double>(old);
-      mass[e % kLanes] += std::abs(static_cast<double>(d));
+      d_block[e] = d;
+      abs_block[e] = std::abs(d);
+      theta_old[e] = old;
     }
+    add_in_lanes(dot, d_block, theta_old, n);
+    add_in_lanes<acc_t>(mass, abs_block, nullptr, n);
   }
   double total = 0;
   for (int l = 0; l < kLanes; ++l) total += dot[l] + radius * mass[l];
@@ -386,7 +404,34 @@ void linf_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> r
 // s_i = -r sign(d_i) (x_i / N)^(q-1) with x = |d| / M, M = max |d| over the ball and N = ||x||_q
 // (reference.lp_vertex). Pass 1 makes d (and the momentum) and reduces (M, ||d / M||_q^q) per ball; pass 2
 // makes d again (reads the momentum, or regenerates the tangents: no buffer of d) and writes
-// theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s).
+// theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s). Not bit-exact with the
+// reference (the norm is summed in another order; y = |d| / (M N) is one product by a reciprocal): within
+// a few float64 ulps before s is rounded to the compute type.
+
+// The powers x^q and y^(q-1) of the step: closed forms for the common exponents (std::pow costs ~20 ns and
+// does not vectorise), std::pow otherwise.
+enum class Exponent { kGeneral, kTwo /* p = 2 */, kThree /* p = 1.5 */, kThreeHalves /* p = 3 */ };
+
+template <Exponent kExp>
+struct Powers {
+  double q, q_minus_1;
+  double to_q(double x) const {
+    if constexpr (kExp == Exponent::kTwo) return x * x;
+    if constexpr (kExp == Exponent::kThree) return x * x * x;
+    if constexpr (kExp == Exponent::kThreeHalves) return x * std::sqrt(x);
+    return std::pow(x, q);
+  }
+  double to_q_minus_1(double y) const {
+    if constexpr (kExp == Exponent::kTwo) return y;
+    if constexpr (kExp == Exponent::kThree) return y * y;
+    if constexpr (kExp == Exponent::kThreeHalves) return std::sqrt(y);
+    return std::pow(y, q_minus_1);
+  }
+  double root(double sum) const {  // sum^(1/q)
+    if constexpr (kExp == Exponent::kTwo) return std::sqrt(sum);
+    return std::pow(sum, 1.0 / q);
+  }
+};
 
 // A ball's max |d| and sum (|d| / max)^q, scaled so that no power overflows or underflows to nothing: the
 // block's own max first, then pieces combine as S = S_1 (M_1 / M)^q + S_2 (M_2 / M)^q.
@@ -394,33 +439,25 @@ struct ScaledPowerSum {
   double max = 0, sum = 0;
 };
 
-template <bool kSquare>
-double power(double x, double q) {
-  return kSquare ? x * x : std::pow(x, q);
-}
-
-template <bool kSquare>
-void combine(ScaledPowerSum& into, const ScaledPowerSum& from, double q) {
+template <Exponent kExp>
+void combine(ScaledPowerSum& into, const ScaledPowerSum& from, const Powers<kExp>& powers) {
   if (!(from.max > 0)) {
     if (std::isnan(from.max)) into.max = into.sum = from.max;  // a NaN direction: the step's gap says so
     return;
   }
+  if (std::isnan(into.max)) return;
   if (from.max > into.max) {
-    into.sum = into.sum * power<kSquare>(into.max / from.max, q) + from.sum;
+    into.sum = into.sum * powers.to_q(into.max / from.max) + from.sum;
     into.max = from.max;
   } else {
-    into.sum += from.sum * power<kSquare>(from.max / into.max, q);
+    into.sum += from.sum * powers.to_q(from.max / into.max);
   }
 }
 
-struct LpSet {
-  double q;     // the dual exponent p / (p - 1)
-  double q_m1;  // q - 1 (1 for the L2 ball: pow(y, 1) = y)
-};
-
-template <typename scalar_t, Source kSource, bool kMomentum, bool kSquare>
-ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& seg, double q) {
+template <typename scalar_t, Source kSource, bool kMomentum, Exponent kExp>
+ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& seg, const Powers<kExp>& powers) {
   using acc_t = acc_type<scalar_t>;
+  using bits_t = typename AbsBits<acc_t>::type;
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
   alignas(64) acc_t d_block[kBlock];
@@ -436,46 +473,58 @@ ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& 
       }
       d_block[e] = d;
     }
-    ScaledPowerSum block;
-    bool nan = false;
+    // the block's max |d| as an integer max over the bits (vectorises; every NaN is above inf)
+    bits_t top = 0;
     for (int e = 0; e < n; ++e) {
-      const double a = std::abs(static_cast<double>(d_block[e]));
-      nan |= std::isnan(a);
-      block.max = a > block.max ? a : block.max;
+      const bits_t a = AbsBits<acc_t>::of(d_block[e]);
+      top = a > top ? a : top;
     }
-    if (nan) block.max = std::numeric_limits<double>::quiet_NaN();
+    ScaledPowerSum block;
+    block.max = top > AbsBits<acc_t>::kInf ? std::numeric_limits<double>::quiet_NaN()
+                                           : static_cast<double>(AbsBits<acc_t>::value(top));
     if (block.max > 0) {
-      for (int e = 0; e < n; ++e) block.sum += power<kSquare>(std::abs(static_cast<double>(d_block[e])) / block.max, q);
+      const double inverse = 1.0 / block.max;
+      double lanes[kLanes] = {};
+      int e = 0;
+      for (; e + kLanes <= n; e += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          lanes[l] += powers.to_q(std::abs(static_cast<double>(d_block[e + l])) * inverse);
+        }
+      }
+      for (; e < n; ++e) lanes[0] += powers.to_q(std::abs(static_cast<double>(d_block[e])) * inverse);
+      for (int l = 0; l < kLanes; ++l) block.sum += lanes[l];
     }
-    combine<kSquare>(total, block, q);
+    combine(total, block, powers);
   }
   return total;
 }
 
-template <typename scalar_t, Source kSource, bool kMomentum, bool kSquare>
-double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, const LpSet& set, double radius,
-                         const ScaledPowerSum& ball, acc_type<scalar_t> alpha_vertex) {
+template <typename scalar_t, Source kSource, bool kMomentum, Exponent kExp>
+double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, const Powers<kExp>& powers,
+                         double radius, const ScaledPowerSum& ball, acc_type<scalar_t> alpha_vertex) {
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   const acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  // N = ||d / M||_q; a zero ball (M = 0) has the vertex 0
-  const double norm_q = ball.max > 0 ? (kSquare ? std::sqrt(ball.sum) : std::pow(ball.sum, 1.0 / set.q)) : 0;
-  const bool zero = !(ball.max > 0) && !std::isnan(ball.max);
+  // y = |d| / (M N) with N = ||d / M||_q; a zero ball (M = 0) has the vertex 0, a NaN one NaN everywhere
+  const bool zero = ball.max == 0;
+  const double scale = zero ? 0.0 : 1.0 / (ball.max * powers.root(ball.sum));
+  alignas(64) acc_t d_block[kBlock];
+  alignas(64) double gap_terms[kBlock];
   double gap[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
     const acc_t* g_at = kMomentum ? v + begin : direction.at(begin, n);
     scalar_t* const theta_b = theta + begin;
+    for (int e = 0; e < n; ++e) d_block[e] = g_at[e];
     for (int e = 0; e < n; ++e) {
-      const acc_t d = g_at[e];
-      const double x = std::abs(static_cast<double>(d)) / ball.max;
-      const double y = x / norm_q;
-      const double s = zero ? 0.0 : (-radius * sign_with_nan(static_cast<double>(d))) * (kSquare ? y : std::pow(y, set.q_m1));
+      const double d = static_cast<double>(d_block[e]);
+      const double s = zero ? 0.0 : (-radius * sign_with_nan(d)) * powers.to_q_minus_1(std::abs(d) * scale);
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
-      gap[e % kLanes] += static_cast<double>(d) * (static_cast<double>(old) - s);
+      gap_terms[e] = d * (static_cast<double>(old) - s);
     }
+    add_in_lanes<double>(gap, gap_terms, nullptr, n);
   }
   double total = 0;
   for (int l = 0; l < kLanes; ++l) total += gap[l];
@@ -487,33 +536,38 @@ void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
                        c10::IntArrayRef row_numel, const double* schedule, double* gap, double p) {
   using acc_t = acc_type<scalar_t>;
   const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
-  const LpSet set{p / (p - 1), p / (p - 1) - 1};
+  const double q = p / (p - 1);
   const Layout layout = lay_out(args.params, row_numel);
   const size_t num_balls = global_ball ? 1 : layout.ball_tensor.size();
   auto ball_of = [&](const Segment& seg) { return global_ball ? size_t{0} : seg.ball; };
 
-  auto run = [&](auto square) {
-    constexpr bool kSquare = decltype(square)::value;
+  auto run = [&](auto exponent) {
+    constexpr Exponent kExp = decltype(exponent)::value;
+    const Powers<kExp> powers{q, q - 1};
     std::vector<ScaledPowerSum> pieces(layout.segments.size());
     run_in_parallel(layout, [&](int64_t s) {
-      pieces[s] = lp_reduce_segment<scalar_t, kSource, kMomentum, kSquare>(args, layout.segments[s], set.q);
+      pieces[s] = lp_reduce_segment<scalar_t, kSource, kMomentum, kExp>(args, layout.segments[s], powers);
     });
     std::vector<ScaledPowerSum> balls(num_balls);
-    for (size_t s = 0; s < pieces.size(); ++s) combine<kSquare>(balls[ball_of(layout.segments[s])], pieces[s], set.q);
+    for (size_t s = 0; s < pieces.size(); ++s) combine(balls[ball_of(layout.segments[s])], pieces[s], powers);
     std::vector<double> shares(layout.segments.size());
     run_in_parallel(layout, [&](int64_t s) {
       const size_t b = ball_of(layout.segments[s]);
-      shares[s] = lp_update_segment<scalar_t, kSource, kMomentum, kSquare>(args, layout.segments[s], set, radii[b],
-                                                                           balls[b], alpha_vertex);
+      shares[s] = lp_update_segment<scalar_t, kSource, kMomentum, kExp>(args, layout.segments[s], powers, radii[b],
+                                                                        balls[b], alpha_vertex);
     });
     double total_gap = 0;
     for (double share : shares) total_gap += share;  // in segment order: the same for any thread count
     *gap = total_gap;
   };
   if (p == 2.0) {
-    run(std::true_type{});
+    run(std::integral_constant<Exponent, Exponent::kTwo>{});
+  } else if (p == 1.5) {
+    run(std::integral_constant<Exponent, Exponent::kThree>{});
+  } else if (p == 3.0) {
+    run(std::integral_constant<Exponent, Exponent::kThreeHalves>{});
   } else {
-    run(std::false_type{});
+    run(std::integral_constant<Exponent, Exponent::kGeneral>{});
   }
 }
 
@@ -523,6 +577,10 @@ void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 // key (|d| as bits: NaN above inf, as the L1 step ranks) by nth_element on a copy of the ball's keys, the
 // number of elements above it, and per segment the number of equal keys before it (ties go in index
 // order); pass 2 writes theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s).
+
+// Up to this k, a ball's k largest keys are found with a heap of k keys (one comparison per key) instead of
+// nth_element (several passes over a copy).
+constexpr int64_t kHeapSelectMax = 64;
 
 template <typename acc_t>
 struct Selection {
@@ -575,17 +633,35 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
   auto select = [&](int64_t b_begin, int64_t b_end) {
     std::vector<bits_t> keys;
     for (int64_t b = b_begin; b < b_end; ++b) {
-      keys.clear();
+      size_t size = 0;
+      for (size_t s : ball_segments[b]) size += static_cast<size_t>(segments[s].end - segments[s].begin);
+      keys.resize(size);
+      size_t at_key = 0;
       for (size_t s : ball_segments[b]) {
         const acc_t* d = d_of[segments[s].tensor];
-        for (int64_t i = segments[s].begin; i < segments[s].end; ++i) keys.push_back(AbsBits<acc_t>::of(d[i]));
+        for (int64_t i = segments[s].begin; i < segments[s].end; ++i) keys[at_key++] = AbsBits<acc_t>::of(d[i]);
       }
       if (keys.empty()) continue;
       const int64_t chosen = std::min<int64_t>(k, static_cast<int64_t>(keys.size()));
-      std::nth_element(keys.begin(), keys.begin() + (chosen - 1), keys.end(), std::greater<bits_t>());
-      const bits_t threshold = keys[chosen - 1];
-      const int64_t above = std::count_if(keys.begin(), keys.begin() + (chosen - 1),
-                                          [&](bits_t key) { return key > threshold; });
+      if (chosen <= kHeapSelectMax && chosen * 16 <= static_cast<int64_t>(keys.size())) {
+        // a small k: the k largest keys in a min-heap; most keys fail the one comparison with its top
+        std::vector<bits_t> heap(keys.begin(), keys.begin() + chosen);
+        std::make_heap(heap.begin(), heap.end(), std::greater<bits_t>());
+        for (size_t i = static_cast<size_t>(chosen); i < keys.size(); ++i) {
+          if (keys[i] > heap.front()) {
+            std::pop_heap(heap.begin(), heap.end(), std::greater<bits_t>());
+            heap.back() = keys[i];
+            std::push_heap(heap.begin(), heap.end(), std::greater<bits_t>());
+          }
+        }
+        keys.swap(heap);  // the k largest (as a multiset: which equal keys were kept does not matter)
+      } else {
+        std::nth_element(keys.begin(), keys.begin() + (chosen - 1), keys.end(), std::greater<bits_t>());
+        keys.resize(static_cast<size_t>(chosen));
+      }
+      // the k-th largest key, and how many of the k largest are above it
+      const bits_t threshold = *std::min_element(keys.begin(), keys.end());
+      const int64_t above = std::count_if(keys.begin(), keys.end(), [&](bits_t key) { return key > threshold; });
       selections[b] = {threshold, chosen - above};
     }
   };
