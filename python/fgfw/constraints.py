@@ -3,8 +3,10 @@
 A constraint is one verb for the algorithms: the vertex ``argmin_{s in C} <d, s>`` of each of its balls.
 Every set here is applied per ball: one per parameter tensor (scope "tensor"), one per row of every
 matrix (scope "row"), or one over all parameters of a param group (scope "global"), each with its own
-radius. The L1 ball has fused kernels (CPU, CUDA, Triton) that never build the vertex; the other sets
-step through :func:`fgfw.reference.fw_step_` with their dense vertex (torch ops).
+radius. The L1 ball has fused kernels (CPU, CUDA, Triton) that never build the vertex; the L-infinity, L2,
+Lp and k-sparse sets have fused ops of their own (:meth:`Constraint.fused_step`, docs/set_steps.md) where
+the backend has them; the other sets step through :func:`fgfw.reference.fw_step_` with their dense vertex
+(torch ops).
 
 | set | vertex of a ball of radius r for the direction d | scopes |
 |---|---|---|
