@@ -10,6 +10,8 @@ What must agree, and how exactly:
   pow differs in the last bit between libraries);
 * the gap: a float64 sum in another order, relative tolerance.
 """
+import math
+
 import pytest
 import torch
 
@@ -114,3 +116,27 @@ def check_ksparse_selection_exact(step, device, dtype=torch.float32) -> None:
             runs = run_set_step(step, "ksparse", k, dtype, False, "grad", scope, device, ties=True)
             for a, b in zip(runs[1][0], runs[0][0]):
                 assert torch.equal(a, b), f"scope {scope}, k {k}"
+
+
+def check_nonfinite_directions(step, device, kind: str, param) -> None:
+    """NaN and infinite directions give the reference's values, NaN where it has NaN (torch.sign(NaN) is 0: a
+    NaN direction's L-infinity or k-sparse vertex element is 0, its gap NaN), in every scope. The optimizers
+    refuse such steps before they run (check_finite); the op itself must still not disagree with its spec."""
+    ref_step, keyword, _ = SETS[kind]
+    extra = {} if keyword is None else {keyword: param}
+    for scope in SCOPES:
+        for bad in (float("nan"), float("inf")):
+            params, _, grads, coeffs, row_numel, radii, offsets = inputs(torch.float32, False, "grad", scope, device)
+            grads[0].view(-1)[5] = bad  # row 0 of the first matrix
+            grads[2].view(-1)[-1] = -bad
+            outs = []
+            for fn in (ref_step, step):
+                ps = [p.clone() for p in params]
+                gap = torch.zeros((), dtype=torch.float64, device=device)
+                fn(ps, [], grads, torch.tensor([1.0, 0.2, 0.0], dtype=torch.float64, device=device), coeffs, radii,
+                   scope == "global", offsets, 5, GAUSSIAN, gap, row_numel, **extra)
+                outs.append(([p.cpu() for p in ps], float(gap)))
+            for t, (a, b) in enumerate(zip(outs[1][0], outs[0][0])):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True,
+                                           msg=lambda s: f"{kind} {scope} {bad}: params[{t}]: {s}")
+            assert math.isnan(outs[0][1]) == math.isnan(outs[1][1]), (kind, scope, bad, outs[0][1], outs[1][1])

@@ -387,3 +387,8 @@ def test_set_steps_refuse_bad_parameters(fgfw_ops):
     with pytest.raises(RuntimeError, match="k must be >= 1"):
         fgfw_ops.ksparse_fw_step_(p, *args, k=0)
     assert torch.equal(p[0], torch.zeros(4))  # nothing moved
+
+
+@pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3)])
+def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, param):
+    set_cases.check_nonfinite_directions(getattr(fgfw_ops, set_cases.SETS[kind][0].__name__), "cpu", kind, param)

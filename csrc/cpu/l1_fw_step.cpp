@@ -325,13 +325,7 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 // ---- The L-infinity step ----------------------------------------------------------------------
 // The vertex of a ball of radius r is s = -r sign(d) everywhere: no reduction is needed before the
 // update, so the whole step is one pass: theta <- keep theta + alpha_vertex s per element, and the
-// gap's terms d theta_old and r |d| (reference.linf_fw_step_).
-
-// torch.sign, NaN included (NaN stays NaN, as in the reference's vertex).
-template <typename T>
-T sign_with_nan(T x) {
-  return x != x ? x : sign_of(x);
-}
+// gap's terms d (theta_old - s) (reference.linf_fw_step_).
 
 // Sums x[e] * y[e] (or x[e] alone, y null) of a block into kLanes running sums: loops the compiler vectorises.
 template <typename acc_t>
@@ -352,11 +346,8 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   const acc_t s_magnitude = -static_cast<acc_t>(radius);
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  alignas(64) acc_t d_block[kBlock];
-  alignas(64) acc_t abs_block[kBlock];
-  alignas(64) acc_t theta_old[kBlock];
-  double dot[kLanes] = {};   // <d, theta_old>
-  double mass[kLanes] = {};  // sum |d|
+  alignas(64) double gap_terms[kBlock];
+  double gap[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
     const acc_t* g_at = direction.at(begin, n);
@@ -369,17 +360,15 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
       }
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       // keep theta + alpha_vertex s, with s = -r sign(d) rounded as the reference rounds it
-      const acc_t s = s_magnitude * sign_with_nan(d);
-      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * s);
-      d_block[e] = d;
-      abs_block[e] = std::abs(d);
-      theta_old[e] = old;
+      const acc_t sign = sign_of(d);
+      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * (s_magnitude * sign));
+      // the gap's term d (theta_old - s) as the reference writes it (an infinite d gives +inf, not inf - inf)
+      gap_terms[e] = static_cast<double>(d) * (static_cast<double>(old) + radius * static_cast<double>(sign));
     }
-    add_in_lanes(dot, d_block, theta_old, n);
-    add_in_lanes<acc_t>(mass, abs_block, nullptr, n);
+    add_in_lanes<double>(gap, gap_terms, nullptr, n);
   }
   double total = 0;
-  for (int l = 0; l < kLanes; ++l) total += dot[l] + radius * mass[l];
+  for (int l = 0; l < kLanes; ++l) total += gap[l];
   return total;
 }
 
@@ -519,7 +508,7 @@ double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, con
     for (int e = 0; e < n; ++e) d_block[e] = g_at[e];
     for (int e = 0; e < n; ++e) {
       const double d = static_cast<double>(d_block[e]);
-      const double s = zero ? 0.0 : (-radius * sign_with_nan(d)) * powers.to_q_minus_1(std::abs(d) * scale);
+      const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) * scale);
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
       gap_terms[e] = d * (static_cast<double>(old) - s);
@@ -704,7 +693,7 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
       const bits_t key = AbsBits<acc_t>::of(d[i]);
       bool chosen = key > selection.threshold;
       if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
-      const double s64 = chosen ? -radius * sign_with_nan(static_cast<double>(d[i])) : 0.0;
+      const double s64 = chosen ? -radius * sign_of(static_cast<double>(d[i])) : 0.0;
       const acc_t old = static_cast<acc_t>(theta[i]);
       theta[i] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s64));
       share[i % kLanes] += static_cast<double>(d[i]) * (static_cast<double>(old) - s64);
