@@ -2,11 +2,12 @@
 
 For each set and scope, one FrankWolfe update (momentum 0.9, backprop gradients given, constant step) and one
 AFGFW update (the part of ``step()`` after the forward passes: the direction regenerated from one Gaussian
-tangent) on the 8 x 512 MLP of bench/step_overhead.py (2.2 M parameters), on the CPU:
+tangent) on the 8 x 512 MLP of bench/step_overhead.py (2.1 M parameters), on the CPU:
 
 * ``fused`` - backend 'cpu': the set's fused op (``linf_fw_step_``, ``lp_fw_step_``, ``ksparse_fw_step_``);
 * ``torch`` - backend 'torch': ``reference.fw_step_`` with the set's dense (batched per row) vertex;
-* ``copy``  - a copy of the bytes the update must move at least: 20 B per float32 parameter for FrankWolfe
+* ``copy``  - a copy of the bytes the update must move at least (the last column is its time over the fused
+              update's): 20 B per float32 parameter for FrankWolfe
               (read theta, g, v; write theta, v), 16 for AFGFW (theta, v).
 
 The L1 ball (fused in every backend) is the yardstick. Timed interleaved (one call of each case in turn),
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     numel = sum(p.numel() for p in _model(MODEL).parameters())
     rows = []
     print(f"{MODEL}, {numel:,} parameters, {args.threads} thread(s); ms per update (median), fused / torch ops")
-    print("| algorithm | scope | set | fused ms | torch ops ms | speed-up | fused / copy |")
+    print("| algorithm | scope | set | fused ms | torch ops ms | speed-up | copy ms / fused ms |")
     print("|---|---|---|---:|---:|---:|---:|")
     for algorithm in args.algorithms.split(","):
         for scope in args.scopes.split(","):
