@@ -114,9 +114,10 @@ def _compile_variants() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """{variant name: ptxas counts}, from one child process that compiles them all."""
+def compile_in_child(script: str, what: str) -> dict:
+    """{variant name: ptxas counts}, from a child process running ``script`` (a test file whose __main__
+    compiles its kernels for sm_CAPABILITY and prints the counts as JSON on its last line); skips where
+    Triton cannot compile for NVIDIA here. A child, because the tests run under TRITON_INTERPRET=1."""
     try:
         from triton.backends import backends
         if "nvidia" not in backends:
@@ -126,10 +127,16 @@ def compiled():
         pytest.skip(f"cannot compile for sm_{CAPABILITY} here: Triton's ptxas is not available ({exc!r})")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    child = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     if child.returncode != 0:
-        pytest.fail(f"compiling the kernels for sm_{CAPABILITY} failed:\n{child.stderr[-4000:]}")
+        pytest.fail(f"compiling {what} for sm_{CAPABILITY} failed:\n{child.stderr[-4000:]}")
     return json.loads(child.stdout.splitlines()[-1])  # the last line: anything printed before is not ours
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """{variant name: ptxas counts}, from one child process that compiles them all."""
+    return compile_in_child(__file__, "the kernels")
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

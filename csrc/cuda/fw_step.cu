@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/direction.cuh"
 #include "cuda/multi_tensor.cuh"
 #include "op_args.h"
 #include "philox.h"
@@ -94,10 +95,6 @@ constexpr int kMinChunkBlocks = std::is_same_v<scalar_t, double> ? 3 : 4;
 template <typename scalar_t>
 constexpr int kMinRowBlocks = kMinChunkBlocks<scalar_t> * kThreads / kRowThreads;
 
-__device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float rn_add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ float abs_of(float x) { return fabsf(x); }
 __device__ __forceinline__ double abs_of(double x) { return fabs(x); }
 
@@ -260,29 +257,6 @@ __device__ __forceinline__ void store_row_group(T* group, int j0, int numel, boo
 #pragma unroll
   for (int lane = 0; lane < 4; ++lane) {
     if (j0 + lane >= 0 && j0 + lane < numel) group[lane] = q.x[lane];
-  }
-}
-
-// g = sum_k coeff_k u_k for the four elements of Philox call q, accumulated in k order.
-template <Source kSource, typename acc_t>
-__device__ __forceinline__ void forward_gradient(acc_t g[4], uint64_t q, int64_t seed, int64_t step,
-                                                 const double* __restrict__ coeffs, int num_tangents) {
-  for (int k = 0; k < num_tangents; ++k) {
-    const PhiloxWords w = TangentStream(seed, step, k).words(q);
-    float u[4];
-    if constexpr (kSource == Source::kRademacher) {
-#pragma unroll
-      for (int lane = 0; lane < 4; ++lane) u[lane] = rademacher(w.w[lane]);
-    } else {
-      box_muller(w.w[0], w.w[1], u[0], u[1]);
-      box_muller(w.w[2], w.w[3], u[2], u[3]);
-    }
-    const acc_t coeff = static_cast<acc_t>(__ldg(coeffs + k));
-#pragma unroll
-    for (int lane = 0; lane < 4; ++lane) {
-      const acc_t term = rn_mul(coeff, static_cast<acc_t>(u[lane]));
-      g[lane] = k == 0 ? term : rn_add(g[lane], term);
-    }
   }
 }
 

@@ -657,6 +657,18 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
                          f"the forward gradient, got {list(offsets)}")
 
 
+def _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
+                       gap, row_numel) -> tuple:
+    """Every argument check of a step (_check_args), and row_numel as a tuple of one row length per tensor."""
+    if row_numel and len(row_numel) != len(params):
+        raise ValueError(f"row_numel must be empty or hold one row length per parameter ({len(params)}), "
+                         f"got {len(row_numel)}")
+    row_numel = tuple(int(n) for n in row_numel) if row_numel else (0,) * len(params)
+    _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap,
+                row_numel)
+    return row_numel
+
+
 def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
                 offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
@@ -668,12 +680,8 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     The first call for a set of tensors and balls uploads their tables (host-to-device copies, so warm
     up before capturing a CUDA graph); later calls only launch kernels.
     """
-    if row_numel and len(row_numel) != len(params):
-        raise ValueError(f"row_numel must be empty or hold one row length per parameter ({len(params)}), "
-                         f"got {len(row_numel)}")
-    row_numel = tuple(int(n) for n in row_numel) if row_numel else (0,) * len(params)
-    _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution, gap,
-                row_numel)
+    row_numel = _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                                   distribution, gap, row_numel)
     if not params:
         gap.zero_()
         return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fw_step, tangent
+from . import fw_step, set_steps, tangent
 
 NAMESPACE = "fgfw_triton"
 
@@ -54,4 +54,51 @@ def l1_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads:
 @l1_fw_step_.register_fake
 def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
       gap, row_numel) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::linf_fw_step_", mutates_args=("params", "momentum", "gap"))
+def linf_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
+                  schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
+                  offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int]) -> None:
+    """``fgfw.triton.set_steps.linf_fw_step_`` (the fused L-infinity-ball Frank-Wolfe step) as a custom op."""
+    set_steps.linf_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                            distribution, gap, row_numel)
+
+
+@linf_fw_step_.register_fake
+def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+      gap, row_numel) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::lp_fw_step_", mutates_args=("params", "momentum", "gap"))
+def lp_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
+                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
+                offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
+                p: float = 2.0) -> None:
+    """``fgfw.triton.set_steps.lp_fw_step_`` (the fused Lp-ball Frank-Wolfe step, 1 < p < inf) as a custom op."""
+    set_steps.lp_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                          distribution, gap, row_numel, p)
+
+
+@lp_fw_step_.register_fake
+def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+      gap, row_numel, p=2.0) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ksparse_fw_step_", mutates_args=("params", "momentum", "gap"))
+def ksparse_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
+                     schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
+                     offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
+                     k: int = 1) -> None:
+    """``fgfw.triton.set_steps.ksparse_fw_step_`` (the fused k-sparse-polytope Frank-Wolfe step) as a custom op."""
+    set_steps.ksparse_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                               seed, distribution, gap, row_numel, k)
+
+
+@ksparse_fw_step_.register_fake
+def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
+      gap, row_numel, k=1) -> None:
     return None

@@ -1,0 +1,43 @@
+// What the CUDA steps (fw_step.cu, set_steps.cu) share to compute a direction: explicitly rounded
+// arithmetic (nvcc must not contract a product and a sum into an FMA: the kernels mirror reference.py's
+// roundings) and the forward gradient of one Philox call, regenerated in registers.
+#pragma once
+
+#include <cstdint>
+
+#include "philox.h"
+#include "step_variant.h"
+
+namespace fgfw {
+
+__device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float rn_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double rn_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ double rn_div(double a, double b) { return __ddiv_rn(a, b); }
+
+// g = sum_k coeff_k u_k for the four elements of Philox call q, accumulated in k order from the k = 0 term.
+template <Source kSource, typename acc_t>
+__device__ __forceinline__ void forward_gradient(acc_t g[4], uint64_t q, int64_t seed, int64_t step,
+                                                 const double* __restrict__ coeffs, int num_tangents) {
+  for (int k = 0; k < num_tangents; ++k) {
+    const PhiloxWords w = TangentStream(seed, step, k).words(q);
+    float u[4];
+    if constexpr (kSource == Source::kRademacher) {
+#pragma unroll
+      for (int lane = 0; lane < 4; ++lane) u[lane] = rademacher(w.w[lane]);
+    } else {
+      box_muller(w.w[0], w.w[1], u[0], u[1]);
+      box_muller(w.w[2], w.w[3], u[2], u[3]);
+    }
+    const acc_t coeff = static_cast<acc_t>(__ldg(coeffs + k));
+#pragma unroll
+    for (int lane = 0; lane < 4; ++lane) {
+      const acc_t term = rn_mul(coeff, static_cast<acc_t>(u[lane]));
+      g[lane] = k == 0 ? term : rn_add(g[lane], term);
+    }
+  }
+}
+
+}  // namespace fgfw

@@ -1,0 +1,454 @@
+"""The fused Frank-Wolfe steps over L-infinity balls, Lp balls and k-sparse polytopes in Triton: the Triton
+backend of reference.linf_fw_step_, reference.lp_fw_step_ and reference.ksparse_fw_step_.
+
+Design: docs/set_steps.md ("Triton kernels"). The steps share the L1 step's arguments, directions,
+momentum, balls, radii and update (fw_step.py, reference.fw_step_); they differ in the vertex s of a ball:
+
+* L-infinity: s = -r sign(d), elementwise. One pass: ``_set_update_kernel``.
+* Lp, 1 < p < inf: s_i = -r sign(d_i) (x_i / ||x||_q)^(q-1) with x = |d| / max|d| (reference.lp_vertex).
+  A reduction pass (``_set_reduce_kernel``) writes each tile row's max|d| m and sum (|d| / m)^q;
+  ``_lp_finalize_kernel`` combines a ball's rows as M = max m and S = sum S_row (m / M)^q (no x^q can
+  overflow: every ratio is <= 1) and writes M and ||x||_q = S^(1/q); the update pass reads them.
+* k-sparse: s = -r sign(d) on the k largest |d| of a ball (ties: lowest index; NaN largest), 0 elsewhere.
+  The reduction pass writes every element's key, the bits of |d| in the compute dtype (the order of |d|,
+  every NaN above +inf, as reference.magnitude_order). Torch ops on that workspace find each ball's k-th
+  largest key T and the position of the last tie with T that is taken (``_select``); the update pass
+  takes an element when its key is above T, or equal to T at a position up to that one.
+
+Tiles. Each pass launches once per tensor (simpler than fw_step.py's one launch over a table of all
+tensors, at the price of a launch per tensor). A tensor is n_balls balls of n elements (its rows, the
+whole tensor, or its part of the global ball); a [BALLS, SEG] tile holds chunk c of BALLS consecutive
+balls, one per tile row (SEG = a power of two >= n + lead when that fits BLOCK, so short rows share a
+program; otherwise SEG = BLOCK, one ball per tile and several chunks). A tile row starts on a Philox call
+boundary: ball element e sits at column e + lead - c SEG, lead = the stream index of the ball's first
+element % 4 (0 with gradients), so the forward gradient is fw_step.py's [BALLS, SEG] tile of whole calls.
+Each (ball, chunk) owns one partial slot: the Lp partials and the share of the gap, summed at the end
+in slot order (tensor, ball, chunk), so every result is deterministic.
+
+Everything about the tiles is laid out on the host from metadata only (sizes, row lengths, stream
+offsets, radii) and cached (``_plan``); a step allocates its workspaces, launches, and never reads
+device data on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .fw_step import _checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _Radii, _radii_token, _step_factors
+from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
+
+# The step's set (KIND): plain ints on the host, constexprs in the kernels.
+LINF, LP, KSPARSE = 0, 1, 2
+_LINF, _LP = tl.constexpr(LINF), tl.constexpr(LP)
+_NAN = tl.constexpr(float("nan"))
+
+_MIN_SEG = 4
+# Elements per thread: 8 as the L1 step's (a tile of BLOCK on 8 warps), but 4 for the Lp kernels, whose
+# float64 divisions (the reference's x = |d| / max|d|, then x / ||x||_q; exact, since q - 1 amplifies an
+# ulp of the ratio) each carry a slow path that ptxas calls as a subroutine.
+_ELEMENTS_PER_THREAD = {LINF: 8, LP: 4, KSPARSE: 8}
+# A register ceiling for every launch: without one, ptxas kept kernels with such calls (these, and sqrt_rn's
+# in the Gaussian tangent) to 48-80 registers on sm_90 and spilled around the calls; with it they use at
+# most 93 and spill nothing (tests/test_triton_sets.py, Triton 3.6 and 3.8).
+_MAX_REGISTERS = 128
+# Partial slots reduced per step by the Lp finalize (and the gap sum).
+_RBLOCK = 1024
+
+
+@triton.jit
+def _pow(x, EXPONENT: tl.constexpr):
+    """x^EXPONENT for float64 x >= 0 (EXPONENT > 0): correctly rounded for 1, 2 and 1/2 (p = 2), else
+    exp(EXPONENT log x).
+
+    Triton's interpreter has no libdevice pow. exp(y log x) is off by about y |log x| ulps: for x in [0, 1]
+    that is large only where x^y is tiny (the absolute error is below x^y y |log x| eps <= eps / e), and
+    for the norm S^(1/q), S in [1, n], it is log(n) / q ulps at most.
+    """
+    if EXPONENT == 1.0:
+        return x
+    elif EXPONENT == 2.0:
+        return x * x
+    elif EXPONENT == 0.5:
+        return tl.sqrt(x)  # float64: correctly rounded (sqrt.rn.f64; only float32 has an approximate sqrt)
+    else:
+        # tl.full: the constant in float64 itself (a float constexpr would be rounded to float32)
+        y = tl.full([], EXPONENT, tl.float64)
+        return tl.where(x == 0, 0.0, tl.exp(y * tl.log(tl.where(x == 0, 1.0, x))))
+
+
+@triton.jit
+def _magnitude_key(d, COMPUTE_DTYPE: tl.constexpr):
+    """The bits of |d| as an integer (reference.magnitude_order): the order of |d|, with every NaN above +inf."""
+    if COMPUTE_DTYPE == tl.float64:
+        return d.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
+    else:
+        return d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr):
+    """This program's tile: (ball [BALLS], live [BALLS], chunk, e [BALLS, SEG] the element within the ball,
+    valid [BALLS, SEG], position [BALLS, SEG] the element within the tensor, calls [BALLS, SEG // 4] the
+    Philox calls of each tile row)."""
+    program = tl.program_id(0)
+    chunk = program % chunks
+    ball = (program // chunks) * BALLS + tl.arange(0, BALLS)
+    live = ball < n_balls
+    first = ball.to(tl.int64) * n  # each ball's first element in the tensor
+    column = chunk * SEG + tl.arange(0, SEG)[None, :]
+    if NO_LEAD:
+        lead = tl.zeros([BALLS], dtype=tl.int32)
+    else:
+        lead = ((stream_base + first) & 3).to(tl.int32)
+    e = column - lead[:, None]
+    valid = live[:, None] & (e >= 0) & (e < n)
+    position = first[:, None] + e
+    tile_start = stream_base + first - lead + chunk * SEG  # a multiple of 4
+    calls = (tile_start >> 2)[:, None] + tl.arange(0, SEG // 4)[None, :]
+    return ball, live, chunk, e, valid, position, calls
+
+
+@triton.jit
+def _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
+               COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+               UPDATE_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr):
+    """d over the tile: the gradient or the forward gradient g, or with momentum v = (1 - gamma) v + gamma g
+    (stored when UPDATE_MOMENTUM; otherwise v was updated by an earlier pass of this step and is read)."""
+    if HAS_MOMENTUM and not UPDATE_MOMENTUM:
+        d = tl.load(momentum + position, mask=valid)
+    else:
+        if HAS_GRAD:
+            g = tl.load(grad + position, mask=valid).to(COMPUTE_DTYPE)
+        else:
+            g = _forward_gradient_rows(calls, schedule, tangent_coeffs, key_lo.to(tl.uint32, bitcast=True),
+                                       key_hi.to(tl.uint32, bitcast=True), n_tangents, COMPUTE_DTYPE, GAUSSIAN, BALLS,
+                                       SEG)
+        if HAS_MOMENTUM:
+            gamma = tl.load(schedule + 2).to(COMPUTE_DTYPE)
+            d = (1.0 - gamma) * tl.load(momentum + position, mask=valid) + gamma * g
+            tl.store(momentum + position, d, mask=valid)
+        else:
+            d = g
+    return d
+
+
+@triton.jit(do_not_specialize=["slot_base", "key_base", "key_lo", "key_hi", "n_tangents"])
+def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_sum, keys, n_balls, n, stream_base,
+                       chunks, slot_base, key_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr,
+                       COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                       GAUSSIAN: tl.constexpr, NO_LEAD: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr,
+                       Q: tl.constexpr):
+    """The reduction pass of the Lp and k-sparse steps: updates the momentum, then writes each tile row's
+    (max|d|, sum (|d| / max|d|)^q) (Lp) or every element's magnitude key (k-sparse)."""
+    ball, live, chunk, e, valid, position, calls = _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD, BALLS, SEG)
+    d = _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
+                   COMPUTE_DTYPE, HAS_GRAD, HAS_MOMENTUM, True, GAUSSIAN, BALLS, SEG)
+    if KIND == _LP:
+        magnitude = tl.abs(d).to(tl.float64)
+        is_nan = (magnitude != magnitude) & valid
+        magnitude = tl.where(valid, magnitude, 0.0)
+        # max with NaN propagated by hand: tl.max treats NaN differently compiled and interpreted
+        row_max = tl.max(tl.where(is_nan, 0.0, magnitude), axis=1)
+        row_max = tl.where(tl.max(is_nan.to(tl.int32), axis=1) != 0, _NAN, row_max)
+        scale = tl.where(row_max > 0, row_max, 1.0)  # an all-zero row sums to 0
+        row_sum = tl.sum(tl.where(valid, _pow(magnitude / scale[:, None], Q), 0.0), axis=1)
+        slot = slot_base + ball * chunks + chunk
+        tl.store(part_max + slot, row_max, mask=live)
+        tl.store(part_sum + slot, row_sum, mask=live)
+    else:
+        tl.store(keys + key_base + position, _magnitude_key(d, COMPUTE_DTYPE), mask=valid)
+
+
+@triton.jit(do_not_specialize=["slot_base", "stat_base"])
+def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks, slot_base, stat_base,
+                        Q: tl.constexpr, INV_Q: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    """Per ball (chunks slots from slot_base + ball chunks): M = max m and ||x||_q = (sum S (m / M)^q)^(1/q),
+    0 for an all-zero ball (the vertex is 0 there), NaN when a |d| is NaN."""
+    ball = tl.program_id(0) * RB + tl.arange(0, RB)
+    live = ball < n_balls
+    first = slot_base + ball.to(tl.int64) * chunks
+    top = tl.zeros([RB], dtype=tl.float64)
+    any_nan = tl.zeros([RB], dtype=tl.int32)
+    for c in range(0, chunks, CB):
+        j = c + tl.arange(0, CB)
+        mask = live[:, None] & (j < chunks)[None, :]
+        m = tl.load(part_max + first[:, None] + j[None, :], mask=mask, other=0.0)
+        any_nan = tl.maximum(any_nan, tl.max((m != m).to(tl.int32), axis=1))
+        top = tl.maximum(top, tl.max(tl.where(m != m, 0.0, m), axis=1))
+    top = tl.where(any_nan != 0, _NAN, top)
+    scale = tl.where(top > 0, top, 1.0)
+    total = tl.zeros([RB], dtype=tl.float64)
+    for c in range(0, chunks, CB):
+        j = c + tl.arange(0, CB)
+        mask = live[:, None] & (j < chunks)[None, :]
+        m = tl.load(part_max + first[:, None] + j[None, :], mask=mask, other=0.0)
+        s = tl.load(part_sum + first[:, None] + j[None, :], mask=mask, other=0.0)
+        total += tl.sum(tl.where(mask, s * _pow(m / scale[:, None], Q), 0.0), axis=1)
+    norm = tl.where(top == 0, 0.0, _pow(total, INV_Q))
+    tl.store(ball_max + stat_base + ball, top, mask=live)
+    tl.store(ball_norm + stat_base + ball, norm, mask=live)
+
+
+@triton.jit(do_not_specialize=["slot_base", "ball_base", "stat_base", "pos_base", "key_lo", "key_hi", "n_tangents"])
+def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, gap_part, stat_a, stat_b, n_balls, n,
+                       stream_base, chunks, slot_base, ball_base, stat_base, pos_base, key_lo, key_hi, n_tangents,
+                       KIND: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr,
+                       HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr, NO_LEAD: tl.constexpr,
+                       BALLS: tl.constexpr, SEG: tl.constexpr, Q_MINUS_1: tl.constexpr):
+    """The update pass: theta <- keep theta + alpha_vertex s (s rounded to the compute dtype), and each tile
+    row's share of the gap <d, theta_old - s> (s in float64, as the reference). The L-infinity step updates
+    the momentum here (its only pass). stat_a, stat_b: (max|d|, ||x||_q) per Lp ball, (threshold key, last
+    position taken at the threshold) per k-sparse ball, both at stat_base + ball."""
+    ball, live, chunk, e, valid, position, calls = _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD, BALLS, SEG)
+    d = _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
+                   COMPUTE_DTYPE, HAS_GRAD, HAS_MOMENTUM, KIND == _LINF, GAUSSIAN, BALLS, SEG)
+    theta = tl.load(param + position, mask=valid).to(COMPUTE_DTYPE)
+    radius = tl.load(radii + ball_base + ball, mask=live, other=1.0)
+    d64 = d.to(tl.float64)
+    sign = tl.where(d64 > 0, 1.0, tl.where(d64 < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
+    vertex = -radius[:, None] * sign  # -r sign(d) in float64
+    if KIND == _LP:
+        norm = tl.load(stat_b + stat_base + ball, mask=live, other=1.0)
+        zero = norm == 0  # d = 0 over the ball: so is the vertex
+        top = tl.where(zero, 1.0, tl.load(stat_a + stat_base + ball, mask=live, other=1.0))
+        # the reference's roundings: x = d / max|d|, then |x| / ||x||_q
+        ratio = tl.abs(d64) / top[:, None] / tl.where(zero, 1.0, norm)[:, None]
+        vertex = tl.where(zero[:, None], 0.0, vertex * _pow(ratio, Q_MINUS_1))
+    elif KIND != _LINF:  # k-sparse
+        threshold = tl.load(stat_a + stat_base + ball, mask=live, other=0)
+        last_tie = tl.load(stat_b + stat_base + ball, mask=live, other=0)
+        key = _magnitude_key(d, COMPUTE_DTYPE)
+        chosen = (key > threshold[:, None]) | ((key == threshold[:, None]) & (pos_base + e <= last_tie[:, None]))
+        vertex = tl.where(chosen, vertex, 0.0)
+    keep, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
+    new = keep * theta + alpha_vertex * vertex.to(COMPUTE_DTYPE)
+    tl.store(param + position, to_storage(new, param.dtype.element_ty), mask=valid)
+    share = tl.sum(tl.where(valid, d64 * (theta.to(tl.float64) - vertex), 0.0), axis=1)
+    tl.store(gap_part + slot_base + ball * chunks + chunk, share, mask=live)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorPlan:
+    """One tensor's launches: n_balls balls of n elements as [balls, seg] tiles, chunks per ball."""
+    t: int
+    n: int
+    n_balls: int
+    stream_base: int
+    no_lead: bool  # every ball starts on a Philox call boundary (or reads a gradient)
+    seg: int
+    balls: int
+    chunks: int
+    programs: int
+    slot_base: int  # the first (ball, chunk) slot: Lp partials and the gap's shares
+    ball_base: int  # the first ball's radius (0 in the global ball)
+    stat_base: int  # the first ball's statistics (Lp norm, k-sparse threshold)
+    key_base: int  # the tensor's first key in the k-sparse workspace
+    pos_base: int  # the position of the tensor's element 0 in its ball (the global ball: elements before it)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    tensors: tuple  # _TensorPlan per tensor with elements
+    slots: int
+    radii: torch.Tensor  # float64 on the device, in ball order (one for the global ball)
+    n_stats: int  # balls with elements
+    n_keys: int  # elements
+    finalize: tuple  # Lp: (slot_base, balls, chunks, stat_base) per launch of _lp_finalize_kernel
+    classes: tuple  # k-sparse: (first key, balls, n, first stat) per run of equal-length balls in the workspace
+
+
+def _tile(n: int, max_lead: int, n_balls: int) -> tuple[int, int, int]:
+    """(seg, balls, chunks) of a tensor's tiles: short balls share a tile, long ones span several."""
+    need = n + max_lead
+    if need <= BLOCK:
+        seg = max(_MIN_SEG, 1 << (need - 1).bit_length())
+        return seg, min(BLOCK // seg, 1 << (n_balls - 1).bit_length()), 1
+    return BLOCK, 1, triton.cdiv(need, BLOCK)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(device: torch.device, numels: tuple, row_numel: tuple, streams: tuple, radii_token: _Radii,
+          global_ball: bool, has_grad: bool) -> _Plan:
+    """Lays out a step's tiles, slots, statistics and key workspace, and uploads the radii; cached by content
+    (the arguments are checked already, but for the radii's values, checked here once)."""
+    radii = radii_token.values
+    for r, radius in enumerate(radii):
+        if not math.isfinite(radius) or radius <= 0:
+            raise ValueError(f"radii[{r}] must be a finite radius > 0, got {radius}")
+    live = []  # (t, n, n_balls, first radius) per tensor with elements
+    radius_at = 0
+    for t, numel in enumerate(numels):
+        n = row_numel[t] or numel
+        n_balls = numel // n if row_numel[t] else 1
+        if numel:
+            live.append((t, n, n_balls, 0 if global_ball else radius_at))
+        if not global_ball:
+            radius_at += n_balls
+    # Statistics and keys: balls of one length sit together, so that one selection covers them (k-sparse);
+    # the global ball is every tensor's elements in order.
+    bases = {}  # t -> (key base, stat base, position base)
+    classes = []
+    if global_ball:
+        at = 0
+        for t, n, _, _ in live:
+            bases[t] = (at, 0, at)
+            at += n
+        if live:
+            classes.append((0, 1, at, 0))
+    else:
+        key_at = stat_at = 0
+        for length in dict.fromkeys(n for _, n, _, _ in live):
+            members = [(t, n_balls) for t, n, n_balls, _ in live if n == length]
+            classes.append((key_at, sum(b for _, b in members), length, stat_at))
+            for t, n_balls in members:
+                bases[t] = (key_at, stat_at, 0)
+                key_at += n_balls * length
+                stat_at += n_balls
+    tensors = []
+    slots = 0
+    for t, n, n_balls, ball_base in live:
+        stream = 0 if has_grad else streams[t]
+        # the largest lead of a ball (stream index of its first element % 4), periodic in 4 balls; a gradient
+        # is read, not drawn, so its tile rows start at the balls' first elements
+        max_lead = 0 if has_grad else max((stream + b * n) % 4 for b in range(min(n_balls, 4)))
+        seg, balls, chunks = _tile(n, max_lead, n_balls)
+        key_base, stat_base, pos_base = bases[t]
+        tensors.append(_TensorPlan(
+            t=t, n=n, n_balls=n_balls, stream_base=stream, no_lead=max_lead == 0, seg=seg, balls=balls,
+            chunks=chunks, programs=triton.cdiv(n_balls, balls) * chunks, slot_base=slots,
+            ball_base=ball_base, stat_base=stat_base, key_base=key_base, pos_base=pos_base))
+        slots += n_balls * chunks
+    if global_ball:
+        finalize = ((0, 1, slots, 0),) if slots else ()
+    else:
+        finalize = tuple((tp.slot_base, tp.n_balls, tp.chunks, tp.stat_base) for tp in tensors)
+    return _Plan(tensors=tuple(tensors), slots=slots,
+                 radii=torch.tensor(radii, dtype=torch.float64).to(device, non_blocking=True),
+                 n_stats=1 if global_ball and live else sum(b for _, _, b, _ in live),
+                 n_keys=sum(n * b for _, n, b, _ in live), finalize=finalize, classes=tuple(classes))
+
+
+def _select(keys: torch.Tensor, classes: tuple, k: int, n_stats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold, last_tie) per k-sparse ball, on the device, with no host synchronisation: the k-th largest
+    key T of the ball, and the position of the last element taken among those equal to T (the lowest
+    positions win the ties: k minus the count above T of them)."""
+    thresholds = torch.empty(n_stats, dtype=keys.dtype, device=keys.device)
+    last_ties = torch.empty(n_stats, dtype=torch.int64, device=keys.device)
+    for key_start, balls, n, stat_start in classes:
+        ball_keys = keys[key_start:key_start + balls * n].view(balls, n)
+        kk = min(k, n)
+        threshold = ball_keys.topk(kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        ties_taken = kk - (ball_keys > threshold).sum(dim=1, keepdim=True)  # >= 1
+        # the ties before the last one taken: its position
+        last_tie = ((ball_keys == threshold).cumsum(dim=1, dtype=torch.int32) < ties_taken).sum(dim=1)
+        thresholds[stat_start:stat_start + balls] = threshold.view(-1)
+        last_ties[stat_start:stat_start + balls] = last_tie
+    return thresholds, last_ties
+
+
+def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+              distribution, gap, row_numel, p: float = 2.0, k: int = 1) -> None:
+    row_numel = _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                                   distribution, gap, row_numel)
+    if not params:
+        gap.zero_()
+        return
+    has_grad, has_momentum = bool(grads), bool(momentum)
+    device = params[0].device
+    plan = _plan(device, tuple(x.numel() for x in params), row_numel,
+                 (0,) * len(params) if has_grad else tuple(int(o) for o in offsets), _radii_token(radii),
+                 bool(global_ball), has_grad)
+    if plan.slots == 0:
+        gap.zero_()
+        return
+    compute_dtype = reference.compute_dtype(params[0].dtype)
+    key_lo, key_hi = key_words(seed)
+    # With grads, tangent_coeffs is never read and may be on any device: pass one that is on the params'.
+    coeffs, n_tangents = (schedule, 0) if has_grad else (tangent_coeffs, tangent_coeffs.numel())
+    flags = dict(COMPUTE_DTYPE=TL_DTYPES[compute_dtype], HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum,
+                 GAUSSIAN=distribution == reference.GAUSSIAN,
+                 # no FMA contraction: every product and sum rounds as in the reference
+                 enable_fp_fusion=False, maxnreg=_MAX_REGISTERS)
+    q = p / (p - 1)  # as reference.lp_vertex
+
+    def warps(tp: _TensorPlan) -> int:
+        return max(1, tp.balls * tp.seg // (32 * _ELEMENTS_PER_THREAD[kind]))
+
+    gap_part = torch.empty(plan.slots, dtype=torch.float64, device=device)
+    stat_a = stat_b = gap_part  # unused by the L-infinity step
+
+    def tensors_of(tp: _TensorPlan) -> tuple:
+        """(momentum, grad) of a tensor: the param where absent (never read then)."""
+        x = params[tp.t]
+        return momentum[tp.t] if has_momentum else x, grads[tp.t] if has_grad else x
+
+    with device_of(params[0]):
+        if kind != LINF:
+            part_max = torch.empty(plan.slots if kind == LP else 0, dtype=torch.float64, device=device)
+            part_sum = torch.empty_like(part_max)
+            keys = torch.empty(plan.n_keys if kind == KSPARSE else 0,
+                               dtype=torch.int64 if compute_dtype == torch.float64 else torch.int32, device=device)
+            for tp in plan.tensors:
+                _set_reduce_kernel[(tp.programs,)](
+                    *tensors_of(tp), schedule, coeffs, part_max, part_sum, keys, tp.n_balls, tp.n, tp.stream_base,
+                    tp.chunks, tp.slot_base, tp.key_base, key_lo, key_hi, n_tangents, KIND=kind, NO_LEAD=tp.no_lead,
+                    BALLS=tp.balls, SEG=tp.seg, Q=q, num_warps=warps(tp), **flags)
+            if kind == LP:
+                stat_a = torch.empty(plan.n_stats, dtype=torch.float64, device=device)
+                stat_b = torch.empty_like(stat_a)
+                for slot_base, balls, chunks, stat_base in plan.finalize:
+                    cb = min(_RBLOCK, triton.next_power_of_2(chunks))
+                    rb = _RBLOCK // cb
+                    _lp_finalize_kernel[(triton.cdiv(balls, rb),)](
+                        part_max, part_sum, stat_a, stat_b, balls, chunks, slot_base, stat_base, Q=q, INV_Q=1.0 / q,
+                        RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
+            else:
+                stat_a, stat_b = _select(keys, plan.classes, k, plan.n_stats)
+        for tp in plan.tensors:
+            _set_update_kernel[(tp.programs,)](
+                params[tp.t], *tensors_of(tp), schedule, coeffs, plan.radii, gap_part, stat_a, stat_b, tp.n_balls,
+                tp.n, tp.stream_base, tp.chunks, tp.slot_base, tp.ball_base, tp.stat_base, tp.pos_base, key_lo, key_hi,
+                n_tangents, KIND=kind, NO_LEAD=tp.no_lead, BALLS=tp.balls, SEG=tp.seg, Q_MINUS_1=q - 1,
+                num_warps=warps(tp), **flags)
+        _gap_sum_kernel[(1,)](gap_part, gap, plan.slots, RBLOCK=_RBLOCK, num_warps=4)
+
+
+def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
+                  offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
+                  row_numel: Sequence[int] = ()) -> None:
+    """One Frank-Wolfe step over L-infinity ball(s), in place; same contract as reference.linf_fw_step_ (and
+    the arguments of fw_step.l1_fw_step_). One pass."""
+    _set_step(LINF, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+              distribution, gap, row_numel)
+
+
+def lp_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
+                offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (),
+                p: float = 2.0) -> None:
+    """One Frank-Wolfe step over Lp ball(s), 1 < p < inf, in place; same contract as reference.lp_fw_step_.
+    A reduction pass, a per-ball finalize, then the update pass."""
+    if not 1 < p < float("inf"):
+        raise ValueError(f"p must satisfy 1 < p < inf, got {p}")
+    _set_step(LP, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+              distribution, gap, row_numel, p=float(p))
+
+
+def ksparse_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                     grads: Sequence[torch.Tensor], schedule: torch.Tensor, tangent_coeffs: torch.Tensor,
+                     radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
+                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1) -> None:
+    """One Frank-Wolfe step over k-sparse polytope(s), in place; same contract as reference.ksparse_fw_step_.
+    A pass writing the keys, the selection in torch ops on the device, then the update pass."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    _set_step(KSPARSE, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+              distribution, gap, row_numel, k=int(k))

@@ -1,0 +1,350 @@
+"""The Triton set steps (fgfw.triton.set_steps: L-infinity balls, Lp balls, k-sparse polytopes) against the spec,
+fgfw.reference, through the checker that every backend shares (tests/set_cases.py); then what that checker does
+not reach: stream offsets off the Philox call boundaries, balls of many chunks, NaN and zero directions, the
+custom ops, and the kernels compiled for sm_90 without a GPU.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (as tests/test_triton.py), so the shared
+cases are covered on a subset of their product: every set and scope with one source, the other sources and
+dtypes on fewer combinations.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+# Run as a script, this file is the child process of ``compiled`` below, which compiles the kernels instead.
+COMPILING = __name__ == "__main__"
+# Before fgfw.triton is imported: see tests/test_triton.py.
+if not torch.cuda.is_available() and not COMPILING:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+import set_cases  # noqa: E402
+from fgfw import reference  # noqa: E402
+from fgfw import triton as fgfw_triton  # noqa: E402
+
+if not fgfw_triton.is_available() and not COMPILING:
+    pytest.skip("Triton kernels cannot run here: no CUDA device, and fgfw.triton was imported before "
+                "TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from fgfw.triton import set_steps  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GAUSSIAN, RADEMACHER = reference.GAUSSIAN, reference.RADEMACHER
+STEPS = {"linf": set_steps.linf_fw_step_, "lp": set_steps.lp_fw_step_, "ksparse": set_steps.ksparse_fw_step_}
+# One parameter of each set for the tests that sweep something else.
+ONE_OF_EACH = [("linf", None), ("lp", 1.5), ("ksparse", 3)]
+
+
+def _check(kind, param, dtype, momentum, source, scope):
+    runs = set_cases.run_set_step(STEPS[kind], kind, param, dtype, momentum, source, scope, DEVICE)
+    set_cases.assert_set_step_matches(runs, kind, dtype, source)
+
+
+@pytest.mark.parametrize("scope", set_cases.SCOPES)
+@pytest.mark.parametrize("kind,param", set_cases.CASES)
+def test_every_set_and_scope_matches_reference(kind, param, scope):
+    _check(kind, param, torch.float32, True, "grad", scope)
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("source", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_forward_gradient_matches_reference(kind, param, source, momentum):
+    # rows of 33: most balls start off a Philox call boundary
+    _check(kind, param, torch.float32, momentum, source, "row")
+
+
+@pytest.mark.parametrize("source", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_forward_gradient_global_ball_matches_reference(kind, param, source):
+    _check(kind, param, torch.float32, False, source, "global")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 1.01), ("ksparse", 40)])
+def test_other_dtypes_match_reference(kind, param, dtype):
+    _check(kind, param, dtype, True, "rademacher", "row")
+
+
+@pytest.mark.parametrize("kind,param", [("lp", 3.0), ("ksparse", 10_000)])
+def test_float64_global_ball_matches_reference(kind, param):
+    _check(kind, param, torch.float64, False, "grad", "global")
+
+
+def test_ksparse_breaks_ties_by_index_as_the_reference():
+    set_cases.check_ksparse_selection_exact(set_steps.ksparse_fw_step_, DEVICE)
+
+
+# inf / inf in the interpreter's numpy: the spec's NaN
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_nonfinite_directions_as_the_reference(kind, param):
+    set_cases.check_nonfinite_directions(STEPS[kind], DEVICE, kind, param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Beyond the shared cases: own inputs, the same comparison.
+
+
+def _run_both(kind, param, params, grads=(), momentum=(), *, radii, global_ball=False, offsets=None, row_numel=(),
+              distribution=RADEMACHER, coeffs=(0.7, -1.1), schedule=(3.0, 0.2, 0.4)):
+    """The reference and the Triton step on copies of the same inputs: [(params, momentum, gap)] for each."""
+    keyword = set_cases.SETS[kind][1]
+    extra = {} if keyword is None else {keyword: param}
+    offsets = offsets if offsets is not None else [0] * len(params)
+    runs = []
+    for step in (set_cases.SETS[kind][0], STEPS[kind]):
+        ps, ms = [p.clone() for p in params], [m.clone() for m in momentum]
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
+        step(ps, ms, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64, device=DEVICE),
+             torch.tensor(coeffs, dtype=torch.float64, device=DEVICE), radii, global_ball, offsets, 11, distribution,
+             gap, list(row_numel), **extra)
+        runs.append(([p.cpu() for p in ps], [m.cpu() for m in ms], float(gap)))
+    return runs
+
+
+def _randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("global_ball", [False, True])
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_stream_offsets_off_call_boundaries_and_balls_of_many_chunks(kind, param, global_ball):
+    """Offsets that are not multiples of 4 put every tile row's first element at a lead; a 5000-element tensor
+    spans three tiles, whose partials (Lp norm, gap) the finalize combines."""
+    sizes = [5000, 7, 130]
+    params = [_randn(n, seed=n) * 1e-2 for n in sizes]
+    momentum = [_randn(n, seed=n + 1) for n in sizes]
+    radii = [0.3] if global_ball else [0.3, 0.2, 0.4]
+    runs = _run_both(kind, param, params, momentum=momentum, radii=radii, global_ball=global_ball,
+                     offsets=[1, 5003, 5013])
+    set_cases.assert_set_step_matches(runs, kind, torch.float32, "rademacher")
+
+
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_thousands_of_short_row_balls(kind, param):
+    """3000 rows of 6 (leads 0 and 2 in turn) and 40 rows of 50: many balls to a program, one slot each."""
+    params = [_randn(3000, 6, seed=1) * 1e-2, _randn(40, 50, seed=2) * 1e-2]
+    grads = [_randn(3000, 6, seed=3), _randn(40, 50, seed=4)]
+    radii = [0.5] * 3000 + [0.25] * 40
+    for source_grads, distribution in ((grads, RADEMACHER), ((), RADEMACHER)):
+        runs = _run_both(kind, param, params, source_grads, radii=radii, offsets=[0, 18000], row_numel=[6, 50],
+                         distribution=distribution)
+        set_cases.assert_set_step_matches(runs, kind, torch.float32, "grad" if source_grads else "rademacher")
+
+
+def test_lp_norm_neither_overflows_nor_underflows_across_chunks():
+    """p = 1.01 (q = 101): |d|^q overflows float64 for |d| > 1e3 and underflows for |d| < 1e-3. One ball of
+    three tiles whose largest |d| differ by 1e40: each tile's sum is scaled by its own max, then by max / M."""
+    grad = torch.cat([_randn(2048, seed=5, dtype=torch.float64) * 1e20, _randn(2048, seed=6, dtype=torch.float64),
+                      _randn(2048, seed=7, dtype=torch.float64) * 1e-20])
+    params = [torch.zeros(grad.numel(), dtype=torch.float64, device=DEVICE)]
+    for p in (1.01, 2.0, 1.5):
+        runs = _run_both("lp", p, params, [grad], radii=[1.0])
+        set_cases.assert_set_step_matches(runs, "lp", torch.float64, "grad")
+        assert all(bool(torch.isfinite(x).all()) for x in runs[1][0])
+
+
+def test_zero_and_nan_directions_as_the_reference():
+    """An all-zero ball: the Lp vertex is 0 (theta only shrinks), the k-sparse one takes the first k elements
+    (every |d| ties) with sign 0. A NaN: the Lp ball's vertex is NaN everywhere; the k-sparse and L-infinity
+    vertices treat it as the largest |d| with sign 0. The other balls are untouched by it."""
+    grads = [torch.zeros(3, 40, device=DEVICE), torch.zeros(10, device=DEVICE)]
+    grads[0][1] = _randn(40, seed=8)
+    grads[0][2] = _randn(40, seed=9)
+    grads[0][2, 7] = float("nan")
+    grads[1][4] = float("nan")
+    params = [_randn(3, 40, seed=10) * 1e-2, _randn(10, seed=11) * 1e-2]
+    for kind, param in ONE_OF_EACH + [("lp", 2.0), ("ksparse", 45)]:
+        expected, got = _run_both(kind, param, params, grads, radii=[0.5, 0.5, 0.5, 1.0], row_numel=[40, 0])
+        for a, b in zip(got[0], expected[0]):
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=4e-7, atol=1e-8)
+        assert got[2] != got[2] and expected[2] != expected[2]  # the gap is NaN, as the reference's
+        if kind == "lp":
+            assert bool(torch.isnan(got[0][0][2]).all()) and not bool(torch.isnan(got[0][0][:2]).any())
+
+
+def test_ksparse_ties_across_tensors_and_tiles_take_the_lowest_positions():
+    """Every |d| equal in a global ball over three tensors, two of them longer than a tile: the first k
+    positions, in (tensor, index) order, move to the vertex."""
+    sizes = [3000, 5, 4100]
+    grads = [torch.full((n,), -0.5, device=DEVICE) for n in sizes]
+    params = [torch.zeros(n, device=DEVICE) for n in sizes]
+    for k in (1, 2999, 3003, 5000):
+        expected, got = _run_both("ksparse", k, params, grads, radii=[0.5], global_ball=True)
+        for a, b in zip(got[0], expected[0]):
+            assert torch.equal(a, b), f"k={k}"
+        assert sum(int((p != 0).sum()) for p in got[0]) == k
+
+
+def test_repeated_steps_are_deterministic_and_reuse_the_layout():
+    """Same inputs, same bits (partials combine in a fixed order); a second call lays out nothing."""
+    results = []
+    for _ in range(2):
+        params = [_randn(3000, seed=12) * 1e-2, _randn(9, 33, seed=13) * 1e-2]
+        gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+        for step, extra in ((set_steps.lp_fw_step_, dict(p=3.0)), (set_steps.ksparse_fw_step_, dict(k=4)),
+                            (set_steps.linf_fw_step_, {})):
+            misses = set_steps._plan.cache_info().misses
+            step(params, [], [], torch.tensor([2.0, 0.1, 0.0], dtype=torch.float64, device=DEVICE),
+                 torch.tensor([1.0], dtype=torch.float64, device=DEVICE), [1.0] + [0.5] * 9, False, [0, 3000], 9,
+                 GAUSSIAN, gap, [0, 33], **extra)
+            results.append((params[0].clone(), params[1].clone(), float(gap)))
+        assert set_steps._plan.cache_info().misses <= misses + 1
+    assert set_steps._plan.cache_info().hits >= 3
+    for (a0, a1, gap_a), (b0, b1, gap_b) in zip(results[:3], results[3:]):
+        assert torch.equal(a0, b0) and torch.equal(a1, b1) and gap_a == gap_b
+
+
+def test_no_params_and_only_empty_tensors_write_a_zero_gap():
+    schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
+    coeffs = torch.tensor([1.0], dtype=torch.float64, device=DEVICE)
+    for kind, param in ONE_OF_EACH:
+        extra = {} if set_cases.SETS[kind][1] is None else {set_cases.SETS[kind][1]: param}
+        gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
+        STEPS[kind]([], [], [], schedule, coeffs, [], False, [], 0, RADEMACHER, gap, [], **extra)
+        assert float(gap) == 0.0
+        gap.fill_(float("nan"))
+        STEPS[kind]([torch.empty(0, device=DEVICE)], [], [], schedule, coeffs, [1.0], True, [0], 0, RADEMACHER, gap,
+                    [], **extra)
+        assert float(gap) == 0.0
+
+
+def test_rejects_what_the_reference_rejects():
+    params = [torch.zeros(6, device=DEVICE)]
+    args = lambda radii, row_numel=(): (params, [], [torch.ones(6, device=DEVICE)],  # noqa: E731
+                                        torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE),
+                                        torch.zeros(0, dtype=torch.float64), radii, False, [], 0, RADEMACHER,
+                                        torch.zeros((), dtype=torch.float64, device=DEVICE), row_numel)
+    for p in (1.0, 0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="p must satisfy"):
+            set_steps.lp_fw_step_(*args([1.0]), p=p)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        set_steps.ksparse_fw_step_(*args([1.0]), k=0)
+    for step in STEPS.values():
+        with pytest.raises(ValueError, match="radii"):
+            step(*args([-1.0]))
+        with pytest.raises(ValueError, match="row_numel"):
+            step(*args([1.0], [4]))
+
+
+@pytest.mark.parametrize("kind,param", ONE_OF_EACH)
+def test_custom_ops_route_from_the_optimizers_entry(kind, param):
+    """torch.ops.fgfw_triton.<op> (the set's parameter by keyword) is what fgfw._ops.set_fw_step_ calls for the
+    'triton' backend, and gives the launcher's result."""
+    from fgfw import _ops
+
+    assert _ops.set_fw_step_available(kind, "triton")
+    op = _ops.SET_STEPS[kind][0]
+    keyword = _ops.SET_STEPS[kind][1]
+    results = []
+    for call in ("launcher", "op", "entry"):
+        params = [_randn(4, 33, seed=14) * 1e-2]
+        momentum = [_randn(4, 33, seed=15)]
+        gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+        args = (params, momentum, [], torch.tensor([2.0, 0.1, 0.3], dtype=torch.float64, device=DEVICE),
+                torch.tensor([0.5], dtype=torch.float64, device=DEVICE), [0.5] * 4, False, [2], 3, RADEMACHER, gap,
+                [33])
+        extra = {} if keyword is None else {keyword: param}
+        if call == "launcher":
+            getattr(set_steps, op)(*args, **extra)
+        elif call == "op":
+            getattr(torch.ops.fgfw_triton, op)(*args, **extra)
+        else:
+            _ops.set_fw_step_(kind, *args[:-1], "triton", args[-1], param=param)
+        results.append((params[0].cpu(), momentum[0].cpu(), float(gap)))
+    for p, v, g in results[1:]:
+        assert torch.equal(p, results[0][0]) and torch.equal(v, results[0][1]) and g == results[0][2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled for sm_90 without a GPU (as tests/test_triton_compile.py, whose ptxas report this reuses).
+
+# name: (kernel, set, parameter dtype, source and momentum flags, SEG, BALLS): every pass of every set with
+# AFGFW's Gaussian tangents on long balls (whole tiles, on call boundaries) in float32, float64 and bfloat16,
+# and on rows of 33 (32 to a tile, off the call boundaries) in float32; the Lp passes with p = 1.01 (the
+# general pow), the update also with p = 3 (q - 1 = 1/2: sqrt).
+_AFGFW = dict(HAS_GRAD=False, HAS_MOMENTUM=True, GAUSSIAN=True)
+VARIANTS = {
+    f"{kernel}_{kind}_{dtype}_{'rows' if rows else 'long'}": (kernel, kind, dtype, _AFGFW, 64 if rows else 2048,
+                                                             32 if rows else 1)
+    for kernel, kind in (("update", "linf"), ("update", "lp"), ("update", "ksparse"), ("reduce", "lp"),
+                         ("reduce", "ksparse"))
+    for dtype, rows in (("float32", False), ("float64", False), ("bfloat16", False), ("float32", True))}
+VARIANTS["update_lp_p3_float32_long"] = ("update", "lp3", "float32", _AFGFW, 2048, 1)
+VARIANTS["finalize_lp"] = ("finalize", "lp", None, {}, None, None)
+_KINDS = {"linf": (set_steps.LINF, 2.0), "lp": (set_steps.LP, 1.01), "lp3": (set_steps.LP, 3.0),
+          "ksparse": (set_steps.KSPARSE, 2.0)}
+_INTS = ("n_balls", "n", "stream_base", "chunks", "slot_base", "key_base", "ball_base", "stat_base", "pos_base",
+         "key_lo", "key_hi", "n_tangents")
+
+
+def _compile_variants() -> dict:
+    """Compiles every variant for sm_90 as the launcher would (warps, register ceiling) and measures it (runs
+    in a child process, without the interpreter)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+    from triton.compiler import ASTSource
+
+    import test_triton_compile as compile_check
+    from fgfw.triton import tangent
+
+    target = GPUTarget("cuda", compile_check.CAPABILITY, 32)
+    ptxas = triton.knobs.nvidia.ptxas.path
+    results = {}
+    for name, (kernel, kind_name, dtype_name, flags, seg, balls) in VARIANTS.items():
+        kind, p = _KINDS[kind_name]
+        q = p / (p - 1)
+        options = dict(enable_fp_fusion=False, maxnreg=set_steps._MAX_REGISTERS)
+        if kernel == "finalize":
+            fn = set_steps._lp_finalize_kernel
+            options["num_warps"] = 4
+            constexprs = dict(Q=q, INV_Q=1 / q, RB=1, CB=set_steps._RBLOCK)
+            signature = dict(part_max="*fp64", part_sum="*fp64", ball_max="*fp64", ball_norm="*fp64")
+        else:
+            fn = set_steps._set_update_kernel if kernel == "update" else set_steps._set_reduce_kernel
+            options["num_warps"] = seg * balls // (32 * set_steps._ELEMENTS_PER_THREAD[kind])
+            param = tangent.TL_DTYPES[getattr(torch, dtype_name)]
+            compute = tangent.TL_DTYPES[reference.compute_dtype(getattr(torch, dtype_name))]
+            key = "*i64" if compute.name == "fp64" else "*i32"
+            constexprs = dict(flags, KIND=kind, COMPUTE_DTYPE=compute, NO_LEAD=balls == 1, BALLS=balls, SEG=seg,
+                              Q=q, Q_MINUS_1=q - 1)
+            signature = dict(param=f"*{param.name}", momentum=f"*{compute.name}", grad=f"*{param.name}",
+                             schedule="*fp64", tangent_coeffs="*fp64", radii="*fp64", gap_part="*fp64",
+                             stat_a=key if kind == set_steps.KSPARSE else "*fp64",
+                             stat_b="*i64" if kind == set_steps.KSPARSE else "*fp64", part_max="*fp64",
+                             part_sum="*fp64", keys=key)
+        signature.update((arg, "i32") for arg in _INTS)
+        signature.update((arg, "constexpr") for arg in constexprs)
+        signature = {arg: signature[arg] for arg in fn.arg_names}
+        constexprs = {arg: value for arg, value in constexprs.items() if arg in signature}
+        pointers = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]]
+                    for arg, kind in signature.items() if kind.startswith("*")}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=pointers),
+                                  target=target, options=options)
+        results[name] = compile_check._ptxas_report(ptxas, sm_arch_from_capability(compile_check.CAPABILITY),
+                                                    compiled.asm["ptx"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """{variant name: ptxas counts}, from one child process that compiles them all."""
+    import test_triton_compile as compile_check
+    return compile_check.compile_in_child(__file__, "the set-step kernels")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_compiles_for_sm90_without_spills(compiled, name):
+    import test_triton_compile as compile_check
+
+    report = compiled[name]
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills: {report}"
+    assert report["registers"] <= compile_check.MAX_REGISTERS, f"{name} needs too many registers: {report}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_variants()))
