@@ -65,12 +65,12 @@ def _afgfw_run(backend, device, tangent, *, compiled, graphs=None):
     return [p.detach().clone() for p in model.parameters()], gaps, opt, counts if graphs else None
 
 
-def _frank_wolfe_run(backend, device, *, compiled, graphs=None):
+def _frank_wolfe_run(backend, device, *, compiled, graphs=None, constraint=None):
     """STEPS backprop FW steps with momentum and the "2/(k+2)" schedule; opt.step alone is compiled. Returns
     (params, gaps, optimizer, counts) as _afgfw_run."""
     model = _model(device)
-    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=10.0), momentum=0.9, backend=backend,
-                          check_finite=False)
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=constraint or fgfw.L1Ball(radius=10.0), momentum=0.9,
+                          backend=backend, check_finite=False)
     step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
     gaps, counts = [], []
     for x, y in _batches(device):
@@ -145,6 +145,18 @@ def test_backprop_step_compiles_whole(backend, device, compiled_graphs):
     _assert_same_run(got, expected, gap_rel=0)
 
 
+@pytest.mark.parametrize("constraint", [fgfw.LInfBall(radius=10.0, scope="row"), fgfw.L2Ball(radius=10.0),
+                                        fgfw.KSparsePolytope(radius=1.0, k=3, scope="global")])
+def test_set_steps_compile_whole(fgfw_ops, constraint, compiled_graphs):
+    """The fused set ops (linf_fw_step_, lp_fw_step_, ksparse_fw_step_) inside a compiled FrankWolfe step: one
+    graph, reused, and the eager run's parameters and gaps bit for bit (the same kernel on the same inputs)."""
+    expected = _frank_wolfe_run("cpu", "cpu", compiled=False, constraint=constraint)
+    assert compiled_graphs() == 0
+    got = _frank_wolfe_run("cpu", "cpu", compiled=True, graphs=compiled_graphs, constraint=constraint)
+    _assert_compiled_once_and_reused(got[3])
+    _assert_same_run(got, expected, gap_rel=0)
+
+
 @pytest.mark.parametrize("tangent", ["rademacher", "gaussian"])
 def test_triton_trajectory_equals_the_reference(tangent):
     _require("triton", TRITON_DEVICE)
@@ -167,6 +179,10 @@ def test_cpp_ops_pass_opcheck(fgfw_ops):
         torch.library.opcheck(fgfw_ops.l1_fw_step_.default, args)
         # row balls: 5 = one ball, 7 = 7 rows of 1, one radius each
         torch.library.opcheck(fgfw_ops.l1_fw_step_.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1]))
+        for op, extra in ((fgfw_ops.linf_fw_step_, ()), (fgfw_ops.lp_fw_step_, (3.0,)),
+                          (fgfw_ops.ksparse_fw_step_, (2,))):
+            torch.library.opcheck(op.default, (*args, [], *extra))
+            torch.library.opcheck(op.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1], *extra))
 
 
 def test_triton_and_counter_ops_pass_opcheck():

@@ -236,9 +236,17 @@ def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global
 SET_STEPS = {"linf": ("linf_fw_step_", None), "lp": ("lp_fw_step_", "p"), "ksparse": ("ksparse_fw_step_", "k")}
 
 
+# Asked when a step's plan is built, which under torch.compile is traced: the answer is a constant (what is
+# built and registered does not change in a process), as for resolve_backend.
+@torch.compiler.assume_constant_result
 def set_fw_step_available(kind: str, backend: str) -> bool:
     """Whether ``backend`` has the fused step of ``kind`` (a key of SET_STEPS): the reference ('torch') always,
     the compiled CPU and CUDA kernels and the Triton kernels where they are built and registered."""
+    return _set_fw_step_available(kind, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _set_fw_step_available(kind: str, backend: str) -> bool:
     op = SET_STEPS[kind][0]
     if backend == "torch":
         return True
@@ -259,15 +267,15 @@ def set_fw_step_(kind: str, params, momentum, grads, schedule, tangent_coeffs, r
     args = (params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution, gap,
             row_numel)
     extra = {} if keyword is None else {keyword: param}
-    if not set_fw_step_available(kind, backend):
-        raise ValueError(f"backend {backend!r} has no fused {op}; available: "
-                         f"{[b for b in BACKENDS if set_fw_step_available(kind, b)]}")
     if backend in ("cpu", "cuda"):
         getattr(torch.ops.fgfw, op)(*args, **extra)
     elif backend == "triton":
+        _require_triton()
         getattr(torch.ops.fgfw_triton, op)(*args, **extra)
-    else:
+    elif backend == "torch":
         getattr(reference, op)(*args, **extra)
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
