@@ -27,7 +27,7 @@ import torch
 import fgfw
 from fgfw.experiments import write_csv
 from kernel_bench import time_cpu  # bench/ is the script's folder: on sys.path
-from step_overhead import ALPHA, COEFF, GAMMA, RHO, _model, copy_step
+from step_overhead import ALPHA, GAMMA, RHO, _model, copy_step, forward_gradient_update
 
 MODEL = "8x512 MLP"
 BYTES_PER_PARAM = {"FrankWolfe": 20, "AFGFW": 16}
@@ -52,15 +52,7 @@ def update(algorithm: str, constraint: fgfw.Constraint, backend: str):
                                    check_finite=False, backend=backend).step
         opt = fgfw.AFGFW(model, constraint=constraint, step_size=ALPHA, averaging_weight=GAMMA, seed=1,
                          check_finite=False, backend=backend)
-    coeffs = torch.tensor([COEFF], dtype=torch.float64)
-
-    @torch.no_grad()
-    def step():
-        k = opt._step_count_k + 1
-        plan = opt._prepared()
-        opt._apply(plan, opt._schedules(plan, k), k, grads=None, tangent_coeffs=coeffs, seed=opt.seed,
-                   distribution=0)
-    return step
+    return forward_gradient_update(opt)
 
 
 def main(argv=None) -> int:

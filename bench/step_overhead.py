@@ -81,11 +81,16 @@ def update_step(algorithm: str, name: str, per_tensor: bool):
         return fgfw.FrankWolfe(groups, constraint=ball, step_size=ALPHA, momentum=RHO, check_finite=False).step
     schedules = dict(step_size=ALPHA) if algorithm == "FGFW" else dict(step_size=ALPHA, averaging_weight=GAMMA)
     opt = getattr(fgfw, algorithm)(model, groups, constraint=ball, seed=1, check_finite=False, **schedules)
+    return forward_gradient_update(opt)
+
+
+def forward_gradient_update(opt):
+    """What ``opt.step()`` of FGFW/AFGFW does after its forward passes (optim._ForwardGradientFrankWolfe.step),
+    as a no-argument callable: the fused update from the directional derivative COEFF, Gaussian tangents."""
     coeffs = torch.tensor([COEFF], dtype=torch.float64)
 
     @torch.no_grad()
     def update():
-        # what step() does after its forward passes (optim._ForwardGradientFrankWolfe.step)
         k = opt._step_count_k + 1
         plan = opt._prepared()
         opt._apply(plan, opt._schedules(plan, k), k, grads=None, tangent_coeffs=coeffs, seed=opt.seed,

@@ -168,6 +168,21 @@ struct BlockDirection {
       return g + lead;
     }
   }
+
+  // The step's direction d at elements begin .. begin + n - 1: g, or with momentum v <- (1 - gamma) v + gamma g
+  // written back to v (v points at the tensor's momentum) and d = v. Returns d_at, d_at[e] the direction
+  // at element begin + e (it points into g, overwritten in place).
+  template <bool kMomentum>
+  const acc_t* directions(int64_t begin, int n, acc_t* v) {
+    acc_t* const d = const_cast<acc_t*>(at(begin, n));
+    if constexpr (kMomentum) {
+      for (int e = 0; e < n; ++e) {
+        d[e] = args.keep_v * v[begin + e] + args.gamma * d[e];
+        v[begin + e] = d[e];
+      }
+    }
+    return d;
+  }
 };
 
 template <typename scalar_t, Source kSource, bool kMomentum>
@@ -177,22 +192,15 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
 
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  alignas(64) acc_t d_block[kBlock];
   alignas(64) acc_t theta_old[kBlock];
   double dot[kLanes] = {};
 
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = direction.at(begin, n);
+    const acc_t* d_at = direction.template directions<kMomentum>(begin, n, v);
 
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
-      acc_t d = g_at[e];
-      if constexpr (kMomentum) {
-        d = args.keep_v * v[begin + e] + args.gamma * d;
-        v[begin + e] = d;
-      }
-      d_block[e] = d;
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_old[e] = old;
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old);
@@ -202,25 +210,25 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
     int e = 0;
     for (; e + kLanes <= n; e += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
-        dot[l] += static_cast<double>(d_block[e + l]) * static_cast<double>(theta_old[e + l]);
+        dot[l] += static_cast<double>(d_at[e + l]) * static_cast<double>(theta_old[e + l]);
       }
     }
-    for (; e < n; ++e) dot[0] += static_cast<double>(d_block[e]) * static_cast<double>(theta_old[e]);
+    for (; e < n; ++e) dot[0] += static_cast<double>(d_at[e]) * static_cast<double>(theta_old[e]);
     using bits_t = typename AbsBits<acc_t>::type;
     bits_t top = 0;
     for (int i = 0; i < n; ++i) {
-      const bits_t a = AbsBits<acc_t>::of(d_block[i]);
+      const bits_t a = AbsBits<acc_t>::of(d_at[i]);
       top = a > top ? a : top;
     }
     const bool block_nan = top > AbsBits<acc_t>::kInf;
     // The first element holding the block's best, if it beats the best of the earlier blocks.
     if (beats(block_nan ? std::numeric_limits<acc_t>::quiet_NaN() : AbsBits<acc_t>::value(top), part.best_abs)) {
       for (int i = 0; i < n; ++i) {
-        const bits_t a = AbsBits<acc_t>::of(d_block[i]);
+        const bits_t a = AbsBits<acc_t>::of(d_at[i]);
         if (block_nan ? a > AbsBits<acc_t>::kInf : a == top) {
-          part.best_abs = std::abs(d_block[i]);
+          part.best_abs = std::abs(d_at[i]);
           part.best_index = begin + i;
-          part.best_d = d_block[i];
+          part.best_d = d_at[i];
           break;
         }
       }
@@ -350,14 +358,10 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
   double gap[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = direction.at(begin, n);
+    const acc_t* d_at = direction.template directions<kMomentum>(begin, n, v);
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
-      acc_t d = g_at[e];
-      if constexpr (kMomentum) {
-        d = args.keep_v * v[begin + e] + args.gamma * d;
-        v[begin + e] = d;
-      }
+      const acc_t d = d_at[e];
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       // keep theta + alpha_vertex s, with s = -r sign(d) rounded as the reference rounds it
       const acc_t sign = sign_of(d);
@@ -449,19 +453,10 @@ ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& 
   using bits_t = typename AbsBits<acc_t>::type;
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  alignas(64) acc_t d_block[kBlock];
   ScaledPowerSum total;
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = direction.at(begin, n);
-    for (int e = 0; e < n; ++e) {
-      acc_t d = g_at[e];
-      if constexpr (kMomentum) {
-        d = args.keep_v * v[begin + e] + args.gamma * d;
-        v[begin + e] = d;
-      }
-      d_block[e] = d;
-    }
+    const acc_t* d_block = direction.template directions<kMomentum>(begin, n, v);
     // the block's max |d| as an integer max over the bits (vectorises; every NaN is above inf)
     bits_t top = 0;
     for (int e = 0; e < n; ++e) {
@@ -498,16 +493,14 @@ double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, con
   // y = |d| / (M N) with N = ||d / M||_q; a zero ball (M = 0) has the vertex 0, a NaN one NaN everywhere
   const bool zero = ball.max == 0;
   const double scale = zero ? 0.0 : 1.0 / (ball.max * powers.root(ball.sum));
-  alignas(64) acc_t d_block[kBlock];
   alignas(64) double gap_terms[kBlock];
   double gap[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-    const acc_t* g_at = kMomentum ? v + begin : direction.at(begin, n);
+    const acc_t* d_at = kMomentum ? v + begin : direction.at(begin, n);  // pass 1 left d in the momentum
     scalar_t* const theta_b = theta + begin;
-    for (int e = 0; e < n; ++e) d_block[e] = g_at[e];
     for (int e = 0; e < n; ++e) {
-      const double d = static_cast<double>(d_block[e]);
+      const double d = static_cast<double>(d_at[e]);
       const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) * scale);
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
@@ -598,17 +591,11 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
   run_in_parallel(layout, [&](int64_t s) {
     const Segment& seg = segments[s];
     BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-    acc_t* const d = d_of[seg.tensor];
+    acc_t* const d = d_of[seg.tensor];  // the momentum itself, or the buffer
     for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
-      const acc_t* g_at = direction.at(begin, n);
-      for (int e = 0; e < n; ++e) {
-        if constexpr (kMomentum) {
-          d[begin + e] = args.keep_v * d[begin + e] + args.gamma * g_at[e];
-        } else {
-          d[begin + e] = g_at[e];
-        }
-      }
+      const acc_t* d_at = direction.template directions<kMomentum>(begin, n, d);
+      if constexpr (!kMomentum) std::copy(d_at, d_at + n, d + begin);
     }
   });
 

@@ -588,7 +588,28 @@ class NonnegativeL1Ball(Simplex):
                 f"negative values set to 0, then rescaled into it")
 
 
-class NuclearNormBall(Constraint):
+class _MatrixSet(Constraint):
+    """A set of weight matrices, one per tensor (scope "tensor" only): a tensor of more than two dimensions is
+    taken as ``(shape[0], -1)``, a vector as one row; the gauge reads the ball's shape."""
+
+    ALLOWED_SCOPES = ("tensor",)
+
+    @staticmethod
+    def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(1, -1) if len(shape) < 2 else x.reshape(shape[0], -1)
+
+    def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
+        raise NotImplementedError
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        (t,) = tensors  # scope "tensor": one matrix per ball
+        return self.gauge(t.detach().double(), tuple(t.shape))
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
+
+
+class NuclearNormBall(_MatrixSet):
     """The nuclear-norm ball ``{W : sum of singular values <= r}`` of each weight matrix (low rank): vertex
     ``-r u_1 v_1^T`` from the top singular pair of the direction (as a matrix: a tensor of more than two
     dimensions is taken as ``(shape[0], -1)``, a vector as one row). The pair comes from power iterations
@@ -599,7 +620,6 @@ class NuclearNormBall(Constraint):
     """
 
     KIND, NAME, GAUGE = "nuclear_norm_ball", "nuclear-norm ball", "nuclear norm"
-    ALLOWED_SCOPES = ("tensor",)
     PARAMS = ("max_iterations",)
 
     def __init__(self, radius: float | None = None, *, scope: str = "tensor", max_iterations: int = 300, **kw):
@@ -608,21 +628,12 @@ class NuclearNormBall(Constraint):
         self.max_iterations = max_iterations
         super().__init__(radius, scope=scope, **kw)
 
-    @staticmethod
-    def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return x.reshape(1, -1) if len(shape) < 2 else x.reshape(shape[0], -1)
 
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         if not x.numel():
             return 0.0
         return float(torch.linalg.matrix_norm(self._matrix(x, shape or tuple(x.shape)), ord="nuc"))
 
-    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
-        (t,) = tensors  # scope "tensor": one matrix per ball
-        return self.gauge(t.detach().double(), tuple(t.shape))
-
-    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
-        return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return self.vertex_and_vector(d, radius, shape)[0]
@@ -682,7 +693,7 @@ class NuclearNormBall(Constraint):
         return 2.0 * radius  # Frobenius: the vertices are unit rank-one matrices times r
 
 
-class GroupL1Ball(Constraint):
+class GroupL1Ball(_MatrixSet):
     """The group-L1 ball ``{W : sum_i ||W_i||_2 <= r}`` of each weight matrix, its rows W_i the groups (a
     unit's incoming weights; a tensor of more than two dimensions is taken as ``(shape[0], -1)``, a vector
     as one row): L2 inside a group, L1 across groups, so a step moves one whole unit and training prunes
@@ -691,23 +702,12 @@ class GroupL1Ball(Constraint):
     """
 
     KIND, NAME, GAUGE = "group_l1_ball", "group-L1 ball", "group-L1 norm (sum of row L2 norms)"
-    ALLOWED_SCOPES = ("tensor",)
-
-    @staticmethod
-    def _matrix(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return x.reshape(1, -1) if len(shape) < 2 else x.reshape(shape[0], -1)
 
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         if not x.numel():
             return 0.0
         return float(torch.linalg.vector_norm(self._matrix(x.double(), shape or tuple(x.shape)), dim=1).sum())
 
-    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
-        (t,) = tensors  # scope "tensor": one matrix per ball
-        return self.gauge(t.detach().double(), tuple(t.shape))
-
-    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
-        return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         m = self._matrix(_unit_max(d), shape)  # scaled first: the row norms neither underflow nor overflow
