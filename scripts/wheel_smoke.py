@@ -34,7 +34,8 @@ check(Path(fgfw.__file__).resolve().is_relative_to(site), f"fgfw imports from th
 extension = _ops.extension_file()
 check(extension is not None and Path(extension).resolve().is_relative_to(site),
       f"the compiled extension loads ({extension}; import error: {_ops.extension_import_error()})")
-for op in ("fill_tangent_", "fill_tangent_at_step_", "l1_fw_step_", "linf_fw_step_", "all_finite"):
+for op in ("fill_tangent_", "fill_tangent_at_step_", "l1_fw_step_", "linf_fw_step_", "lp_fw_step_",
+           "ksparse_fw_step_", "all_finite"):
     check(torch._C._dispatch_has_kernel_for_dispatch_key(f"fgfw::{op}", "CPU"), f"fgfw::{op} has a CPU kernel")
 installed = importlib.metadata.version("fgfw")
 check(installed.split("+")[0] == fgfw.__version__, f"version {installed} is fgfw.__version__ {fgfw.__version__}")
