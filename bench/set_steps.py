@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-time", type=float, default=2.0, help="seconds of timing per case")
     parser.add_argument("--scopes", default="row,tensor")
     parser.add_argument("--algorithms", default="FrankWolfe,AFGFW")
+    parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                        help="time only the sets whose name starts with PREFIX (repeatable), e.g. k-sparse")
     parser.add_argument("--out", default="bench/results/set_steps.csv")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     for algorithm in args.algorithms.split(","):
         for scope in args.scopes.split(","):
             for name, constraint in sets(scope).items():
+                if args.only and not any(name.startswith(prefix) for prefix in args.only):
+                    continue
                 cases = {"fused": update(algorithm, constraint, "cpu"), "copy": copy_step(numel, BYTES_PER_PARAM[algorithm])}
                 if name != "L1":  # the L1 ball has no torch-op step in the optimizers
                     cases["torch"] = update(algorithm, constraint, "torch")

@@ -341,7 +341,7 @@ def test_set_steps_match_reference(fgfw_ops, kind, param, momentum, source, scop
     set_cases.assert_set_step_matches(runs, kind, torch.float32, source)
 
 
-@pytest.mark.parametrize("kind,param", [("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("linf", None)])
+@pytest.mark.parametrize("kind,param", [("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("ksparse", 5_000), ("linf", None)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_set_steps_match_reference_in_every_dtype(fgfw_ops, kind, param, dtype):
     step = getattr(fgfw_ops, set_cases.SETS[kind][0].__name__)
@@ -389,6 +389,6 @@ def test_set_steps_refuse_bad_parameters(fgfw_ops):
     assert torch.equal(p[0], torch.zeros(4))  # nothing moved
 
 
-@pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3)])
+@pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("ksparse", 5_000)])
 def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, param):
     set_cases.check_nonfinite_directions(getattr(fgfw_ops, set_cases.SETS[kind][0].__name__), "cpu", kind, param)

@@ -556,13 +556,17 @@ void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 // ---- The k-sparse step ---------------------------------------------------------------------------
 // s = -r sign(d) on the k largest |d| of each ball, ties to the lowest index (reference.ksparse_vertex).
 // Pass 1 makes d (into the momentum, or into a buffer of the group's size); then per ball the k-th largest
-// key (|d| as bits: NaN above inf, as the L1 step ranks) by nth_element on a copy of the ball's keys, the
-// number of elements above it, and per segment the number of equal keys before it (ties go in index
+// key (|d| as bits: NaN above inf, as the L1 step ranks) by a heap, a radix histogram or nth_element on a
+// copy of the ball's keys, the number of elements above it, and per segment the number of equal keys before it (ties go in index
 // order); pass 2 writes theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s).
 
 // Up to this k, a ball's k largest keys are found with a heap of k keys (one comparison per key) instead of
 // nth_element (several passes over a copy).
 constexpr int64_t kHeapSelectMax = 64;
+// Balls of at least this many elements (and a k too large for the heap) select by a histogram of the keys'
+// top kRadixBits bits instead: two passes over d and nth_element on one bin's keys, no copy of the ball.
+constexpr int64_t kRadixSelectMin = 1 << 14;
+constexpr int kRadixBits = 12;
 
 template <typename acc_t>
 struct Selection {
@@ -605,21 +609,76 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
   std::vector<std::vector<size_t>> ball_segments(num_balls);
   for (size_t s = 0; s < segments.size(); ++s) ball_segments[ball_of(segments[s])].push_back(s);
 
+  // A big ball's selection (kRadixSelectMin): the runs of segments are split into chunks, one per thread,
+  // whose histograms are summed, so the result does not depend on the thread count. Nested in the
+  // parallel loop over balls, its own parallel loops run on the calling thread.
+  auto radix_select = [&](const std::vector<size_t>& runs, int64_t chosen) {
+    constexpr int kShift = static_cast<int>(8 * sizeof(bits_t)) - 1 - kRadixBits;  // a key's top bit is 0
+    constexpr int64_t kBins = int64_t{1} << kRadixBits;
+    const int64_t num_runs = static_cast<int64_t>(runs.size());
+    const int64_t num_chunks = std::min<int64_t>(num_runs, at::get_num_threads());
+    auto for_each_key = [&](int64_t chunk, auto&& visit) {
+      for (int64_t r = chunk * num_runs / num_chunks; r < (chunk + 1) * num_runs / num_chunks; ++r) {
+        const Segment& seg = segments[runs[r]];
+        const acc_t* d = d_of[seg.tensor];
+        for (int64_t i = seg.begin; i < seg.end; ++i) visit(AbsBits<acc_t>::of(d[i]));
+      }
+    };
+    std::vector<int64_t> counts(static_cast<size_t>(num_chunks * kBins), 0);
+    at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        int64_t* count = counts.data() + c * kBins;
+        for_each_key(c, [&](bits_t key) { ++count[key >> kShift]; });
+      }
+    });
+    // the bin of the k-th largest key, and how many keys the bins above it hold
+    int64_t bin = kBins, above = 0, in_bin = 0;
+    while (bin > 0) {
+      --bin;
+      in_bin = 0;
+      for (int64_t c = 0; c < num_chunks; ++c) in_bin += counts[c * kBins + bin];
+      if (above + in_bin >= chosen) break;
+      above += in_bin;
+    }
+    std::vector<std::vector<bits_t>> pieces(static_cast<size_t>(num_chunks));
+    at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        pieces[c].reserve(static_cast<size_t>(counts[c * kBins + bin]));
+        for_each_key(c, [&](bits_t key) {
+          if (static_cast<int64_t>(key >> kShift) == bin) pieces[c].push_back(key);
+        });
+      }
+    });
+    std::vector<bits_t> keys;
+    keys.reserve(static_cast<size_t>(in_bin));
+    for (const std::vector<bits_t>& piece : pieces) keys.insert(keys.end(), piece.begin(), piece.end());
+    const int64_t rank = chosen - above;  // the k-th largest is the rank-th largest of its bin
+    std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<bits_t>());
+    const bits_t threshold = keys[rank - 1];
+    above += std::count_if(keys.begin(), keys.end(), [&](bits_t key) { return key > threshold; });
+    return Selection<acc_t>{threshold, chosen - above};
+  };
+
   std::vector<Selection<acc_t>> selections(num_balls);
   auto select = [&](int64_t b_begin, int64_t b_end) {
     std::vector<bits_t> keys;
     for (int64_t b = b_begin; b < b_end; ++b) {
-      size_t size = 0;
-      for (size_t s : ball_segments[b]) size += static_cast<size_t>(segments[s].end - segments[s].begin);
-      keys.resize(size);
+      int64_t size = 0;
+      for (size_t s : ball_segments[b]) size += segments[s].end - segments[s].begin;
+      if (size == 0) continue;
+      const int64_t chosen = std::min<int64_t>(k, size);
+      const bool heap = chosen <= kHeapSelectMax && chosen * 16 <= size;
+      if (!heap && size >= kRadixSelectMin) {
+        selections[b] = radix_select(ball_segments[b], chosen);
+        continue;
+      }
+      keys.resize(static_cast<size_t>(size));
       size_t at_key = 0;
       for (size_t s : ball_segments[b]) {
         const acc_t* d = d_of[segments[s].tensor];
         for (int64_t i = segments[s].begin; i < segments[s].end; ++i) keys[at_key++] = AbsBits<acc_t>::of(d[i]);
       }
-      if (keys.empty()) continue;
-      const int64_t chosen = std::min<int64_t>(k, static_cast<int64_t>(keys.size()));
-      if (chosen <= kHeapSelectMax && chosen * 16 <= static_cast<int64_t>(keys.size())) {
+      if (heap) {
         // a small k: the k largest keys in a min-heap; most keys fail the one comparison with its top
         std::vector<bits_t> heap(keys.begin(), keys.begin() + chosen);
         std::make_heap(heap.begin(), heap.end(), std::greater<bits_t>());
