@@ -43,12 +43,12 @@ def sets(scope: str) -> dict[str, fgfw.Constraint]:
                                                                     scope=scope)}
 
 
-def update(algorithm: str, constraint: fgfw.Constraint, backend: str):
+def update(algorithm: str, constraint: fgfw.Constraint, backend: str, momentum: float | None = RHO):
     model = _model(MODEL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if algorithm == "FrankWolfe":
-            return fgfw.FrankWolfe(model.parameters(), constraint=constraint, step_size=ALPHA, momentum=RHO,
+            return fgfw.FrankWolfe(model.parameters(), constraint=constraint, step_size=ALPHA, momentum=momentum,
                                    check_finite=False, backend=backend).step
         opt = fgfw.AFGFW(model, constraint=constraint, step_size=ALPHA, averaging_weight=GAMMA, seed=1,
                          check_finite=False, backend=backend)
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--algorithms", default="FrankWolfe,AFGFW")
     parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
                         help="time only the sets whose name starts with PREFIX (repeatable), e.g. k-sparse")
+    parser.add_argument("--no-momentum", action="store_true",
+                        help="FrankWolfe without momentum (d = g; the copy still counts 20 B per parameter)")
     parser.add_argument("--out", default="bench/results/set_steps.csv")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -76,9 +78,11 @@ def main(argv=None) -> int:
             for name, constraint in sets(scope).items():
                 if args.only and not any(name.startswith(prefix) for prefix in args.only):
                     continue
-                cases = {"fused": update(algorithm, constraint, "cpu"), "copy": copy_step(numel, BYTES_PER_PARAM[algorithm])}
+                momentum = None if args.no_momentum else RHO
+                cases = {"fused": update(algorithm, constraint, "cpu", momentum),
+                         "copy": copy_step(numel, BYTES_PER_PARAM[algorithm])}
                 if name != "L1":  # the L1 ball has no torch-op step in the optimizers
-                    cases["torch"] = update(algorithm, constraint, "torch")
+                    cases["torch"] = update(algorithm, constraint, "torch", momentum)
                 times = {case: statistics.median(t) * 1e3 for case, t in time_cpu(cases, args.min_time, 2).items()}
                 torch_ms = times.get("torch", float("nan"))
                 row = dict(model=MODEL, algorithm=algorithm, scope=scope, set=name, fused_ms=times["fused"],
