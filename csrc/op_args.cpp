@@ -19,15 +19,15 @@ void check_distribution(const char* op, int64_t distribution) {
 }
 
 // A per-parameter tensor (momentum[t], grads[t]) must match its parameter's layout.
-void check_companion(const char* list, size_t t, const at::Tensor& tensor, const at::Tensor& param,
+void check_companion(const char* op, const char* list, size_t t, const at::Tensor& tensor, const at::Tensor& param,
                      at::ScalarType dtype, const char* dtype_reason) {
-  TORCH_CHECK(tensor.device() == param.device(), "l1_fw_step_: ", list, "[", t, "] must be on ",
+  TORCH_CHECK(tensor.device() == param.device(), op, ": ", list, "[", t, "] must be on ",
               param.device(), " like params[", t, "], got ", tensor.device());
-  TORCH_CHECK(tensor.scalar_type() == dtype, "l1_fw_step_: ", list, "[", t, "] must have dtype ", dtype,
+  TORCH_CHECK(tensor.scalar_type() == dtype, op, ": ", list, "[", t, "] must have dtype ", dtype,
               " (", dtype_reason, "), got ", tensor.scalar_type());
-  TORCH_CHECK(tensor.numel() == param.numel(), "l1_fw_step_: ", list, "[", t, "] must have ",
+  TORCH_CHECK(tensor.numel() == param.numel(), op, ": ", list, "[", t, "] must have ",
               param.numel(), " elements like params[", t, "], got ", tensor.numel());
-  TORCH_CHECK(tensor.is_contiguous(), "l1_fw_step_: ", list, "[", t, "] must be contiguous");
+  TORCH_CHECK(tensor.is_contiguous(), op, ": ", list, "[", t, "] must be contiguous");
 }
 
 }  // namespace
@@ -47,92 +47,92 @@ void check_step_tensor(const at::Tensor& out, const at::Tensor& step) {
               out.device(), " like out, or on the CPU, got ", step.device());
 }
 
-void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
-                           const at::Tensor& schedule, const at::Tensor& tangent_coeffs,
-                           c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
-                           int64_t distribution, const at::Tensor& gap, c10::IntArrayRef row_numel) {
+void check_fw_step_args(const char* op, at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                        const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
+                        bool global_ball, c10::IntArrayRef offsets, int64_t distribution, const at::Tensor& gap,
+                        c10::IntArrayRef row_numel) {
   const size_t n = params.size();
   const c10::Device device = n ? params[0].device() : schedule.device();
   const bool forward_gradient = grads.empty();
 
   TORCH_CHECK(momentum.empty() || momentum.size() == n,
-              "l1_fw_step_: momentum must be empty (no momentum) or hold one tensor per parameter (", n,
+              op, ": momentum must be empty (no momentum) or hold one tensor per parameter (", n,
               "), got ", momentum.size());
   TORCH_CHECK(grads.empty() || grads.size() == n,
-              "l1_fw_step_: grads must be empty (forward gradient) or hold one tensor per parameter (", n,
+              op, ": grads must be empty (forward gradient) or hold one tensor per parameter (", n,
               "), got ", grads.size());
   TORCH_CHECK(row_numel.empty() || row_numel.size() == n,
-              "l1_fw_step_: row_numel must be empty or hold one row length per parameter (", n, "), got ",
+              op, ": row_numel must be empty or hold one row length per parameter (", n, "), got ",
               row_numel.size());
   int64_t balls = 0;
   for (size_t t = 0; t < n; ++t) {
     const int64_t length = row_length(row_numel, t), numel = params[t].numel();
-    TORCH_CHECK(length >= 0 && (length == 0 || numel % length == 0), "l1_fw_step_: row_numel[", t,
+    TORCH_CHECK(length >= 0 && (length == 0 || numel % length == 0), op, ": row_numel[", t,
                 "] must be 0 (one ball) or a row length that divides the ", numel, " elements of params[", t,
                 "], got ", length);
     TORCH_CHECK(!global_ball || length == 0,
-                "l1_fw_step_: row_numel must be all 0 for the global ball (one ball over every tensor)");
+                op, ": row_numel must be all 0 for the global ball (one ball over every tensor)");
     balls += num_balls(numel, length);
   }
   if (global_ball) {
-    TORCH_CHECK(radii.size() == 1, "l1_fw_step_: radii must hold one radius when global_ball is true, got ",
+    TORCH_CHECK(radii.size() == 1, op, ": radii must hold one radius when global_ball is true, got ",
                 radii.size());
   } else {
-    TORCH_CHECK(static_cast<int64_t>(radii.size()) == balls, "l1_fw_step_: radii must hold one radius per ball (",
+    TORCH_CHECK(static_cast<int64_t>(radii.size()) == balls, op, ": radii must hold one radius per ball (",
                 balls, row_numel.empty() ? ", one per parameter" : ", one per row of each tensor with a row_numel",
                 "), got ", radii.size());
   }
   for (size_t r = 0; r < radii.size(); ++r) {
-    TORCH_CHECK(std::isfinite(radii[r]) && radii[r] > 0, "l1_fw_step_: radii[", r,
+    TORCH_CHECK(std::isfinite(radii[r]) && radii[r] > 0, op, ": radii[", r,
                 "] must be a finite radius > 0, got ", radii[r]);
   }
   // Without offsets every tensor would draw the same tangent values: the forward gradient needs them.
   TORCH_CHECK(offsets.size() == n || (!forward_gradient && offsets.empty()),
-              "l1_fw_step_: offsets must hold one stream offset per parameter (", n, "), got ", offsets.size(),
+              op, ": offsets must hold one stream offset per parameter (", n, "), got ", offsets.size(),
               forward_gradient ? "" : " (it may be empty when grads are given)");
   for (size_t t = 0; t < offsets.size(); ++t) {
-    TORCH_CHECK(offsets[t] >= 0, "l1_fw_step_: offsets[", t, "] must be >= 0, got ", offsets[t]);
+    TORCH_CHECK(offsets[t] >= 0, op, ": offsets[", t, "] must be >= 0, got ", offsets[t]);
   }
 
   if (n > 0) {
     const at::ScalarType dtype = params[0].scalar_type();
-    TORCH_CHECK(is_param_dtype(dtype), "l1_fw_step_: params must be float32, float64, bfloat16 or float16, got ",
+    TORCH_CHECK(is_param_dtype(dtype), op, ": params must be float32, float64, bfloat16 or float16, got ",
                 dtype);
     const at::ScalarType cdt = compute_dtype(dtype);
     for (size_t t = 0; t < n; ++t) {
       const at::Tensor& p = params[t];
-      TORCH_CHECK(p.device() == device, "l1_fw_step_: params[", t, "] is on ", p.device(),
+      TORCH_CHECK(p.device() == device, op, ": params[", t, "] is on ", p.device(),
                   " but params[0] is on ", device, " (one call per device)");
-      TORCH_CHECK(p.scalar_type() == dtype, "l1_fw_step_: params[", t, "] has dtype ", p.scalar_type(),
+      TORCH_CHECK(p.scalar_type() == dtype, op, ": params[", t, "] has dtype ", p.scalar_type(),
                   " but params[0] has ", dtype, " (one call per dtype)");
-      TORCH_CHECK(p.is_contiguous(), "l1_fw_step_: params[", t, "] must be contiguous");
+      TORCH_CHECK(p.is_contiguous(), op, ": params[", t, "] must be contiguous");
       if (!momentum.empty()) {
-        check_companion("momentum", t, momentum[t], p, cdt, "the compute dtype of the params");
+        check_companion(op, "momentum", t, momentum[t], p, cdt, "the compute dtype of the params");
       }
       if (!forward_gradient) {
-        check_companion("grads", t, grads[t], p, dtype, "the params' dtype");
+        check_companion(op, "grads", t, grads[t], p, dtype, "the params' dtype");
       }
     }
     if (forward_gradient) {
-      check_distribution("l1_fw_step_", distribution);
-      TORCH_CHECK(tangent_coeffs.device() == device, "l1_fw_step_: tangent_coeffs must be on ", device,
+      check_distribution(op, distribution);
+      TORCH_CHECK(tangent_coeffs.device() == device, op, ": tangent_coeffs must be on ", device,
                   " like the params, got ", tangent_coeffs.device());
       TORCH_CHECK(tangent_coeffs.scalar_type() == at::kDouble && tangent_coeffs.dim() == 1 &&
                       tangent_coeffs.numel() > 0 && tangent_coeffs.is_contiguous(),
-                  "l1_fw_step_: tangent_coeffs must be a non-empty contiguous 1-D float64 tensor when grads "
+                  op, ": tangent_coeffs must be a non-empty contiguous 1-D float64 tensor when grads "
                   "are empty, got ", tangent_coeffs.scalar_type(), " of shape ", tangent_coeffs.sizes());
     }
   }
 
-  TORCH_CHECK(schedule.device() == device, "l1_fw_step_: schedule must be on ", device,
+  TORCH_CHECK(schedule.device() == device, op, ": schedule must be on ", device,
               " like the params, got ", schedule.device());
   TORCH_CHECK(schedule.scalar_type() == at::kDouble && schedule.numel() == 3 && schedule.is_contiguous(),
-              "l1_fw_step_: schedule must be a contiguous float64 tensor (step, alpha, gamma) of 3 elements, "
+              op, ": schedule must be a contiguous float64 tensor (step, alpha, gamma) of 3 elements, "
               "got ", schedule.scalar_type(), " of shape ", schedule.sizes());
-  TORCH_CHECK(gap.device() == device, "l1_fw_step_: gap must be on ", device, " like the params, got ",
+  TORCH_CHECK(gap.device() == device, op, ": gap must be on ", device, " like the params, got ",
               gap.device());
   TORCH_CHECK(gap.scalar_type() == at::kDouble && gap.numel() == 1,
-              "l1_fw_step_: gap must be a float64 tensor of one element, got ", gap.scalar_type(), " of shape ",
+              op, ": gap must be a float64 tensor of one element, got ", gap.scalar_type(), " of shape ",
               gap.sizes());
 }
 

@@ -19,12 +19,13 @@ void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t dist
 // The step tensor of fill_tangent_at_step_: a 0-dim int64 tensor on out's device or on the CPU.
 void check_step_tensor(const at::Tensor& out, const at::Tensor& step);
 
-// Same for l1_fw_step_; every tensor must be on the device of params[0] (of schedule when params
-// is empty). Does not read any tensor's data, so it never synchronises a device.
-void check_l1_fw_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
-                           const at::Tensor& schedule, const at::Tensor& tangent_coeffs,
-                           c10::ArrayRef<double> radii, bool global_ball, c10::IntArrayRef offsets,
-                           int64_t distribution, const at::Tensor& gap, c10::IntArrayRef row_numel);
+// Same for the steps (op: l1_fw_step_, linf_fw_step_, lp_fw_step_ or ksparse_fw_step_, named in the
+// messages); every tensor must be on the device of params[0] (of schedule when params is empty). Does
+// not read any tensor's data, so it never synchronises a device.
+void check_fw_step_args(const char* op, at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                        const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
+                        bool global_ball, c10::IntArrayRef offsets, int64_t distribution, const at::Tensor& gap,
+                        c10::IntArrayRef row_numel);
 
 // The set parameters of lp_fw_step_ (1 < p < inf) and ksparse_fw_step_ (k >= 1).
 void check_lp_exponent(double p);

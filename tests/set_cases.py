@@ -11,6 +11,7 @@ What must agree, and how exactly:
 * the gap: a float64 sum in another order, relative tolerance.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -141,3 +142,19 @@ def check_nonfinite_directions(step, device, kind: str, param) -> None:
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True,
                                            msg=lambda s: f"{kind} {scope} {bad}: params[{t}]: {s}")
             assert math.isnan(outs[0][1]) == math.isnan(outs[1][1]), (kind, scope, bad, outs[0][1], outs[1][1])
+
+
+def check_errors_name_the_op(step, name: str, extra: dict, device) -> None:
+    """An argument error of a step op starts with the op's name (they share one argument check), and nothing
+    moves."""
+    p = [torch.zeros(4, device=device)]
+    schedule = torch.tensor([1.0, 0.1, 0.0], dtype=torch.float64, device=device)
+    coeffs = torch.zeros(0, dtype=torch.float64, device=device)
+    gap = torch.zeros((), dtype=torch.float64, device=device)
+    grads = [torch.ones(4, device=device)]
+    with pytest.raises(RuntimeError, match=re.escape(f"{name}: momentum[0] must have dtype")):
+        step(p, [torch.zeros(4, dtype=torch.float64, device=device)], grads, schedule, coeffs, [1.0], False, [0], 0,
+             GAUSSIAN, gap, [], **extra)
+    with pytest.raises(RuntimeError, match=re.escape(f"{name}: radii must hold one radius per ball")):
+        step(p, [], grads, schedule, coeffs, [1.0, 2.0], False, [0], 0, GAUSSIAN, gap, [], **extra)
+    assert torch.equal(p[0].cpu(), torch.zeros(4))

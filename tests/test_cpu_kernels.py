@@ -389,6 +389,12 @@ def test_set_steps_refuse_bad_parameters(fgfw_ops):
     assert torch.equal(p[0], torch.zeros(4))  # nothing moved
 
 
+@pytest.mark.parametrize("name,extra", [("l1_fw_step_", {}), ("linf_fw_step_", {}), ("lp_fw_step_", dict(p=3.0)),
+                                        ("ksparse_fw_step_", dict(k=2))])
+def test_step_argument_errors_name_their_op(fgfw_ops, name, extra):
+    set_cases.check_errors_name_the_op(getattr(fgfw_ops, name), name, extra, "cpu")
+
+
 @pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("ksparse", 5_000)])
 def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, param):
     set_cases.check_nonfinite_directions(getattr(fgfw_ops, set_cases.SETS[kind][0].__name__), "cpu", kind, param)

@@ -521,6 +521,27 @@ def test_row_radii_are_found_again_by_their_contents(cuda_ops):
         assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
 
 
+def test_row_radii_uploaded_on_one_stream_are_waited_for_on_another(cuda_ops):
+    # Stream a uploads a radii array behind 0.1 s of spinning; stream b, not ordered after a, steps with the
+    # same radii at once and finds the array in the cache: it must wait for the upload, not read the array
+    # before it lands (the cache records an event after each upload).
+    shapes, row_numel = [(30, 20), (20,), (5, 9)], [20, 0, 9]
+    radii = [0.731 + 0.013 * b for b in range(num_row_balls(shapes, row_numel))]  # uploaded by no other test
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=31)
+    kwargs = dict(schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=radii, global_ball=False, offsets=[], seed=5,
+                  distribution=GAUSSIAN, row_numel=row_numel)
+    expected = run_step(ref.l1_fw_step_, params, moms, grads, **kwargs)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(200_000_000)
+        run_step(cuda_ops.l1_fw_step_, params, moms, grads, **kwargs)
+    with torch.cuda.stream(b):
+        got = run_step(cuda_ops.l1_fw_step_, params, moms, grads, **kwargs)
+    torch.cuda.synchronize()
+    assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
+
+
 ROW_GRAPH_LAYOUTS = {
     # rows kernel and the one-block gap sum only
     "short": ([(48, 32), (48,), (10, 48), (10,), (3, 5, 7)], [32, 0, 48, 0, 35]),

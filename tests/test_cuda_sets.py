@@ -298,6 +298,11 @@ def test_cuda_graph_replays_equal_eager_steps(set_ops, kind, param, source):
     assert all(torch.equal(a, b) for a, b in zip(graph_gaps, eager_gaps))
 
 
+@pytest.mark.parametrize("kind,extra", [("linf", {}), ("lp", dict(p=3.0)), ("ksparse", dict(k=2))])
+def test_argument_errors_name_their_op(set_ops, kind, extra):
+    set_cases.check_errors_name_the_op(op_of(set_ops, kind), OPS[kind], extra, CUDA)
+
+
 def test_reference_agrees_on_a_small_case_by_hand(set_ops):
     # one ball of 4: d = (0.5, -2, 2, 0) with k = 2 -> elements 1 and 2 (|d| = 2) move to +r and -r
     theta = torch.full((4,), 0.25, device=CUDA)

@@ -796,8 +796,12 @@ void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList 
                  const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                  c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
                  c10::IntArrayRef row_numel, double set_param = 0) {
-  check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                        gap, row_numel);
+  constexpr const char* kOp = kSet == Set::kL1     ? "l1_fw_step_"
+                             : kSet == Set::kLInf ? "linf_fw_step_"
+                             : kSet == Set::kLp   ? "lp_fw_step_"
+                                                  : "ksparse_fw_step_";
+  check_fw_step_args(kOp, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                     distribution, gap, row_numel);
   double* gap_out = gap.data_ptr<double>();
   if (params.empty()) {
     *gap_out = 0;

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -713,8 +714,10 @@ class DeviceRadii {
       if (capturing) {
         entry.captured = true;  // never freed from now on: nothing to tell the allocator
       } else if (std::find(entry.streams.begin(), entry.streams.end(), stream.stream()) == entry.streams.end()) {
-        // another stream reads it now: should the entry be evicted, the allocator must not hand its
-        // memory out before that stream's work is done
+        // another stream reads it now: it must not run ahead of the upload (queued on the first stream),
+        // and should the entry be evicted, the allocator must not hand its memory out before that
+        // stream's work is done
+        C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), entry.uploaded.get(), 0));
         c10::cuda::CUDACachingAllocator::recordStream(entry.on_device.storage().data_ptr(), stream);
         entry.streams.push_back(stream.stream());
       }
@@ -743,6 +746,10 @@ class DeviceRadii {
     std::memcpy(pinned.data_ptr<double>(), entry.values.data(), sizeof(double) * count);
     entry.on_device = at::empty({count}, at::TensorOptions().dtype(at::kDouble).device(at::kCUDA, device));
     entry.on_device.copy_(pinned, /*non_blocking=*/true);
+    cudaEvent_t uploaded;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming));
+    entry.uploaded.reset(uploaded);
+    C10_CUDA_CHECK(cudaEventRecord(uploaded, stream.stream()));
     entry.streams.push_back(stream.stream());
     entry.captured = false;
     entry.last_use = ++state->clock;
@@ -753,10 +760,15 @@ class DeviceRadii {
  private:
   static constexpr size_t kCapacity = 8;
 
+  struct EventDestroyer {
+    void operator()(cudaEvent_t event) const { cudaEventDestroy(event); }  // safe with work pending
+  };
+
   struct Entry {
     c10::DeviceIndex device;
     std::vector<double> values;
     at::Tensor on_device;
+    std::unique_ptr<CUevent_st, EventDestroyer> uploaded;  // recorded after the upload, on the first stream
     std::vector<cudaStream_t> streams;  // those that used it, each recorded with the allocator
     bool captured;
     uint64_t last_use;
@@ -932,8 +944,8 @@ void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorL
                      const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                      c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
                      c10::IntArrayRef row_numel) {
-  check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                        gap, row_numel);
+  check_fw_step_args("l1_fw_step_", params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                     distribution, gap, row_numel);
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
   if (params.empty()) {
     gap.zero_();

@@ -993,8 +993,11 @@ void set_step_cuda(SetKind set, at::TensorList params, at::TensorList momentum, 
                    const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                    bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
                    c10::IntArrayRef row_numel, double p, int64_t k) {
-  check_l1_fw_step_args(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
-                        gap, row_numel);
+  const char* const op = set == SetKind::kLInf ? "linf_fw_step_"
+                         : set == SetKind::kLp ? "lp_fw_step_"
+                                               : "ksparse_fw_step_";
+  check_fw_step_args(op, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
+                     gap, row_numel);
   if (set == SetKind::kLp) check_lp_exponent(p);
   if (set == SetKind::kKSparse) check_ksparse_k(k);
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
