@@ -63,7 +63,8 @@ python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
 run tests 220 python3 -m pytest -q -ra "${xdist[@]}" -p no:cacheprovider \
   tests/test_cuda_kernels.py tests/test_cuda_graphs.py tests/test_tangent_stream.py tests/test_triton.py \
   tests/test_triton_compile.py tests/test_kernel_resources.py tests/test_backends.py tests/test_compile.py \
-  tests/test_optim.py tests/test_activity.py tests/test_cuda_sets.py tests/test_triton_sets.py >"$out/tests.log" 2>&1
+  tests/test_optim.py tests/test_activity.py tests/test_cuda_sets.py tests/test_triton_sets.py tests/test_readme.py \
+  >"$out/tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -25 | tee -a "$summary"
 
 # A small subset: under the sanitizer every launch is slow. Sizes cross a chunk boundary, unaligned
