@@ -145,7 +145,8 @@ def plot(path: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The options (bench/sparsity_validated.py takes its defaults from here)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="../shared/data/mnist", help="folder with the MNIST IDX files")
     parser.add_argument("--models", default=",".join(MODELS))
@@ -168,13 +169,24 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="bench/results/sparsity.csv")
     parser.add_argument("--figure", default="bench/figures/sparsity.png")
-    args = parser.parse_args()
+    return parser
 
+
+def load_or_skip(args):
+    """(train, test) from ``args.data`` with ``args.threads`` set, or None (and why) without the folder."""
     if not os.path.isdir(args.data):
         print(f"skipped: no MNIST folder at {args.data!r} (pass --data FOLDER with the IDX files)")
-        return 0
+        return None
     torch.set_num_threads(args.threads)
-    train_data, test_data = load(args.data)
+    return load(args.data)
+
+
+def main() -> int:
+    args = make_parser().parse_args()
+    data = load_or_skip(args)
+    if data is None:
+        return 0
+    train_data, test_data = data
     print(f"MNIST split: {len(train_data[1])} train / {len(test_data[1])} test, {args.threads} threads")
 
     rows, start = [], time.perf_counter()

@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from fgfw.data import load
 from fgfw.experiments import evaluate, write_csv
 from fgfw.sparsity import accuracy_curve, prunable
 
-from sparsity import MODELS, RATIOS, train  # bench/ is the script's folder: on sys.path
+# bench/ is the script's folder: on sys.path
+from sparsity import MODELS, RATIOS, load_or_skip, make_parser, train
 
 MODEL = "mlp_8x512"
 STEPS = (0.004, 0.006, 0.008)
@@ -42,11 +42,9 @@ CHOSEN_WITHIN = 0.02  # unpruned validation accuracy within 2 points of the grid
 
 
 def settings(args, **overrides) -> argparse.Namespace:
-    """bench/sparsity.py's defaults for the 8 x 512, with ``overrides``."""
-    base = dict(epochs=8, batch_size=64, l1_step=0.004, ksparse_step=0.006, linf_step=0.004, l1_scale=2.0,
-                k_fraction=0.01, ksparse_scale=2.0, ksparse_scope="row", linf_scale=10.0, adam_lr=1e-3, seed=0)
-    base.update(epochs=args.epochs)
-    base.update(overrides)
+    """bench/sparsity.py's defaults for the 8 x 512 (its epochs: ``args.epochs``), with ``overrides``."""
+    base = vars(make_parser().parse_args([]))
+    base.update(epochs=args.epochs, **overrides)
     return argparse.Namespace(**base)
 
 
@@ -66,15 +64,14 @@ def at(curve: list[dict], ratio: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="../shared/data/mnist", help="folder with the MNIST IDX files")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=make_parser().parse_args([]).epochs_wide)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="bench/results/sparsity_validated.csv")
     args = parser.parse_args()
-    if not os.path.isdir(args.data):
-        print(f"skipped: no MNIST folder at {args.data!r} (pass --data FOLDER with the IDX files)")
+    data = load_or_skip(args)
+    if data is None:
         return 0
-    torch.set_num_threads(args.threads)
-    (x, y), test = load(args.data)
+    (x, y), test = data
     is_val = torch.arange(len(y)) % 4 == 3
     fit, val = (x[~is_val], y[~is_val]), (x[is_val], y[is_val])
     print(f"{len(fit[1])} train / {len(val[1])} validation / {len(test[1])} test, {args.threads} thread(s)")
