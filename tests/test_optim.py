@@ -384,6 +384,19 @@ def test_a_param_group_can_bring_its_own_constraint():
     assert torch.allclose(layer.bias.detach(), torch.tensor([0.0, 0.5 * 2 / 3], dtype=torch.float64))
 
 
+def assert_runs_agree(runs, *, exact: bool, atol: float, gap_rel: float) -> None:
+    """Two runs' (parameters, gap): bit for bit (gap within 1e-12) when ``exact``, else within rtol 1e-5 and
+    ``atol`` (gap within ``gap_rel``)."""
+    (params_a, gap_a), (params_b, gap_b) = runs
+    if exact:
+        assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+        assert gap_a == pytest.approx(gap_b, rel=1e-12)
+    else:
+        for a, b in zip(params_a, params_b):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
+        assert gap_a == pytest.approx(gap_b, rel=gap_rel)
+
+
 @pytest.mark.parametrize("constraint", [fgfw.GroupL1Ball(radius=3.0), fgfw.Simplex(radius=1.0, scope="row"),
                                         fgfw.L2Ball(radius=3.0), fgfw.LpBall(radius=3.0, p=1.5, scope="row"),
                                         fgfw.LInfBall(radius=0.2, scope="row"),
@@ -407,13 +420,7 @@ def test_other_sets_draw_their_tangents_with_the_backend_and_match_the_reference
         for _ in range(3):
             opt.step(lambda: F.cross_entropy(model(x), y))
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
-    if isinstance(constraint, (fgfw.L2Ball, fgfw.LpBall)):
-        for a, b in zip(runs[0][0], runs[1][0]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-5)
-    else:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
+    assert_runs_agree(runs, exact=not isinstance(constraint, (fgfw.L2Ball, fgfw.LpBall)), atol=1e-6, gap_rel=1e-5)
 
 
 # -- rescaled steps: a step per ball -------------------------------------------------------------------------
@@ -499,10 +506,4 @@ def test_sets_step_in_their_fused_cpu_kernel_as_in_torch_ops(monkeypatch, constr
             opt.step()
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))
     assert calls == [kind] * 4  # the cpu run; the torch run steps through reference.fw_step_
-    if kind == "lp":
-        for a, b in zip(runs[0][0], runs[1][0]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-6)
-    else:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-        assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-12)
+    assert_runs_agree(runs, exact=kind != "lp", atol=1e-7, gap_rel=1e-6)

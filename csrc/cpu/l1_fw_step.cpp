@@ -565,6 +565,7 @@ void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 // Up to this k, a ball's k largest keys are found with a heap of k keys (one comparison per key) instead of
 // nth_element (several passes over a copy).
 constexpr int64_t kHeapSelectMax = 64;
+constexpr bool heap_selects(int64_t chosen, int64_t size) { return chosen <= kHeapSelectMax && chosen * 16 <= size; }
 // Balls of at least this many elements (and a k too large for the heap) select by a histogram of the keys'
 // top kRadixBits bits instead: two passes over d and nth_element on one bin's keys, no copy of the ball.
 constexpr int64_t kRadixSelectMin = 1 << 14;
@@ -580,7 +581,7 @@ struct Selection {
 template <typename acc_t>
 Selection<acc_t> select_among(std::vector<typename AbsBits<acc_t>::type>& keys, int64_t chosen) {
   using bits_t = typename AbsBits<acc_t>::type;
-  if (chosen <= kHeapSelectMax && chosen * 16 <= static_cast<int64_t>(keys.size())) {
+  if (heap_selects(chosen, static_cast<int64_t>(keys.size()))) {
     // a small k: the k largest keys in a min-heap; most keys fail the one comparison with its top
     std::vector<bits_t> heap(keys.begin(), keys.begin() + chosen);
     std::make_heap(heap.begin(), heap.end(), std::greater<bits_t>());
@@ -738,7 +739,7 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
         int64_t size = 0;
         for (size_t s : ball_segments[b]) size += segments[s].end - segments[s].begin;
         const int64_t chosen = std::min<int64_t>(k, size);
-        if (!(chosen <= kHeapSelectMax && chosen * 16 <= size) && size >= kRadixSelectMin) {
+        if (!heap_selects(chosen, size) && size >= kRadixSelectMin) {
           selections[b] = radix_select(ball_segments[b], chosen);
           continue;
         }
