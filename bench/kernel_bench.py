@@ -34,6 +34,7 @@ import csv
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,20 @@ HERE = Path(__file__).resolve().parent
 # mode -> (with momentum, with a backprop gradient, bytes moved per float32 parameter)
 MODES = {"afgfw": (True, False, 16), "fgfw": (False, False, 8), "fw": (False, True, 12)}
 ALL_BACKENDS = ("fused", "triton", "eager", "compile", "copy")
+
+
+def _code_version() -> str:
+    """The commit measured (from FGFW_CODE, else git), for the CSV's code column."""
+    if os.environ.get("FGFW_CODE"):
+        return os.environ["FGFW_CODE"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+CODE = _code_version()
 
 
 def model_shapes(width: int, layers: int = 16, vocab: int = 32_000, context: int = 1024) -> list[tuple[int, ...]]:
@@ -68,8 +83,8 @@ def mlp_shapes(width: int = 1024, layers: int = 12) -> list[tuple[int, ...]]:
 class Group:
     """One (device, float32) parameter group with its momentum / gradients and the op's per-step arguments.
 
-    rows=True: one L1 ball per row of every matrix (``L1Ball(scope="row")``), given to the op as row views,
-    as the optimizer does.
+    rows=True: one L1 ball per row of every matrix (``L1Ball(scope="row")``), given to the op as whole tensors
+    with their row length (``row_numel``), as the optimizer does.
     """
 
     def __init__(self, shapes, device, mode: str, tangents: int, rows: bool = False):
@@ -92,26 +107,23 @@ class Group:
         self.gap = torch.zeros((), dtype=torch.float64, device=device)
 
     def op_args(self):
-        """(params, momentum, grads, radii, offsets) as the fused op takes them: row views for row balls."""
+        """(params, momentum, grads, radii, offsets, row_numel) as the optimizer passes them to the fused op
+        (prepared: lists of tensors, Python floats and ints). Row balls: whole tensors with row_numel, one
+        radius per row of a matrix and one per vector, as ``L1Ball(scope="row")`` gives."""
         if not self.rows:
-            return self.params, self.moms, self.grads, self.radii, self.offsets
-        split = [[], [], [], [], []]
-        for t, p in enumerate(self.params):
-            views = list(p.unbind(0)) if p.dim() >= 2 else [p]
-            split[0] += views
-            split[1] += list(self.moms[t].unbind(0)) if self.moms and p.dim() >= 2 else self.moms[t:t + 1]
-            split[2] += list(self.grads[t].unbind(0)) if self.grads and p.dim() >= 2 else self.grads[t:t + 1]
-            split[3] += [1.0] * len(views)
-            split[4] += [self.offsets[t] + i * views[0].numel() for i in range(len(views))]
-        return split
+            return self.params, self.moms, self.grads, self.radii, self.offsets, []
+        row_numel = [math.prod(p.shape[1:]) if p.dim() >= 2 else 0 for p in self.params]
+        radii = [1.0] * sum(p.shape[0] if p.dim() >= 2 else 1 for p in self.params)
+        return self.params, self.moms, self.grads, radii, self.offsets, row_numel
 
 
 def fused_step(group: Group, backend: str):
-    params, moms, grads, radii, offsets = group.op_args()
+    params, moms, grads, radii, offsets, row_numel = group.op_args()
+    seed = _ops._int64(0)
 
     def step():
-        _ops.l1_fw_step_(params, moms, grads, group.schedule, group.coeffs, radii, False, offsets, 0,
-                         fgfw.reference.GAUSSIAN, group.gap, backend=backend)
+        _ops.l1_fw_step_(params, moms, grads, group.schedule, group.coeffs, radii, False, offsets, seed,
+                         fgfw.reference.GAUSSIAN, group.gap, backend=backend, row_numel=row_numel, prepared=True)
     return step
 
 
@@ -233,40 +245,57 @@ def make_step(backend: str, group: Group, device: str, mode: str):
     return copy_step(group, mode)
 
 
-def run_case(name, shapes, device, mode, backends, tangents, min_time, warmup, rows_scope=False):
-    bytes_per_param = MODES[mode][2]
-    numel = sum(math.prod(s) for s in shapes)
-    # compile's first calls compile (and may recompile once): keep them out of the timing
-    warmup = max(warmup, 3) if "compile" in backends else warmup
+def make_row(device, case, mode, backend, samples) -> dict:
+    """One CSV row: a case's time (median and best of samples, seconds) on one backend; the ratios to the
+    copy, eager and compile rows of the same case are filled in by add_ratios."""
+    seconds = statistics.median(samples)
+    return dict(device=machine(device), code=CODE, case=case.name, mode=mode, tangents=case.tangents,
+                params=case.numel, tensors=len(case.shapes), bytes_per_param=MODES[mode][2], backend=backend,
+                median_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
+                gbps=case.numel * MODES[mode][2] / seconds / 1e9)
 
-    def group():
-        return Group(shapes, device, mode, tangents, rows=rows_scope)
 
-    if device == "cuda":
-        # one backend at a time: the largest sizes fit only alone
-        times = {}
-        for backend in backends:
-            try:
-                times[backend] = time_gpu(make_step(backend, group(), device, mode), min_time, warmup)
-            except (RuntimeError, ValueError, NotImplementedError) as exc:  # reported, and the run goes on
-                print(f"FAILED {name} {mode} {backend}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
-                      file=sys.stderr, flush=True)
-            torch.cuda.empty_cache()
-    else:
-        steps = {b: make_step(b, group(), device, mode) for b in backends}
-        times = time_cpu(steps, min_time, warmup)
-    rows = {}
-    for backend, samples in times.items():
-        seconds = statistics.median(samples)
-        rows[backend] = dict(device=machine(device), case=name, mode=mode, tangents=tangents, params=numel,
-                             tensors=len(shapes), bytes_per_param=bytes_per_param, backend=backend,
-                             median_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
-                             gbps=numel * bytes_per_param / seconds / 1e9)
-    for row in rows.values():
-        row["frac_copy"] = row["gbps"] / rows["copy"]["gbps"] if "copy" in rows else math.nan
+def add_ratios(rows) -> None:
+    """frac_copy, vs_eager and vs_compile of every row from the rows of its case (same case, mode, K and size)
+    measured so far; NaN where that baseline has not been measured."""
+    def key(r):
+        return r["case"], r["mode"], r["tangents"], r["params"]
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(key(r), {})[r["backend"]] = r
+    for r in rows:
+        same = by_case[key(r)]
+        r["frac_copy"] = r["gbps"] / same["copy"]["gbps"] if "copy" in same else math.nan
         for base in ("eager", "compile"):
-            row[f"vs_{base}"] = rows[base]["median_ms"] / row["median_ms"] if base in rows else math.nan
-    return list(rows.values())
+            r[f"vs_{base}"] = same[base]["median_ms"] / r["median_ms"] if base in same else math.nan
+
+
+class Case:
+    def __init__(self, name, shapes, rows_scope=False, tangents=1):
+        self.name, self.shapes, self.rows_scope, self.tangents = name, shapes, rows_scope, tangents
+        self.numel = sum(math.prod(s) for s in shapes)
+
+    def group(self, device, mode):
+        return Group(self.shapes, device, mode, self.tangents, rows=self.rows_scope)
+
+
+def time_case_alone(case, device, mode, backend, min_time, warmup):
+    """Seconds per step of one backend on one case, its group alone on the device, or None (the failure
+    printed) if it fails."""
+    # compile's first calls compile (and may recompile once): keep them out of the timing
+    warmup = max(warmup, 3) if backend == "compile" else warmup
+    try:
+        step = make_step(backend, case.group(device, mode), device, mode)
+        if device == "cuda":
+            return time_gpu(step, min_time, warmup)
+        return time_cpu({backend: step}, min_time, warmup)[backend]
+    except (RuntimeError, ValueError, NotImplementedError) as exc:  # reported, and the run goes on
+        print(f"FAILED {case.name} {mode} K={case.tangents} {backend}: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return None
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def markdown(rows) -> str:
@@ -327,8 +356,11 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--backends", default=None,
                         help=f"comma-separated subset of {','.join(ALL_BACKENDS)} (default: fused,eager,compile,copy "
-                             "on a GPU; fused,eager,copy on the CPU)")
-    parser.add_argument("--tangents", type=int, default=1, help="tangents per step (K), default 1")
+                             "on a GPU; fused,eager,copy on the CPU); one that is not available here is skipped "
+                             "with a warning")
+    parser.add_argument("--tangents", type=int, default=1, help="tangents per step (K) of every case, default 1")
+    parser.add_argument("--more-tangents", type=int, default=None, metavar="K",
+                        help="add an AFGFW case of the largest single size with K tangents")
     parser.add_argument("--model-width", type=int, default=None,
                         help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
     parser.add_argument("--mlp-rows", action="store_true",
@@ -341,13 +373,21 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     parser.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend-by-backend", action="store_true",
+                        help="time one backend at a time over every case, copy first and compile last (always on "
+                             "a GPU; on the CPU the default times a case's backends round-robin)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from the start after which no new measurement begins (the rows measured "
+                             "by then are all written)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="CSV path (default bench/figures/kernel_<device>.csv, next to the PNG)")
+                        help="CSV path (default bench/figures/kernel_<device>.csv, next to the PNG); rewritten "
+                             "after every row, so a run that is stopped keeps what it measured")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in the CSV (--out) and add this run's after them")
     parser.add_argument("--figure", type=Path, default=None,
-                        help="PNG path (default bench/figures/kernel_<device>.png)")
+                        help="PNG path (default bench/figures/kernel_<device>.png; 'none' skips it)")
     args = parser.parse_args(argv)
+    began = time.monotonic()
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -359,50 +399,90 @@ def main(argv=None):
     if unknown:
         parser.error(f"--backends: unknown {sorted(unknown)}; choose from {ALL_BACKENDS}")
     fused_backend = {"fused": "cuda" if device == "cuda" else "cpu", "triton": "triton"}
-    for b in backends:
+    for b in list(backends):
         if b in fused_backend and not _ops.backend_available(fused_backend[b], torch.device(device)):
-            parser.error(f"backend {b} ({fused_backend[b]}) is not available on {device}: "
-                         f"{_ops.available_backends(device)}")
+            print(f"WARNING: skipping backend {b} ({fused_backend[b]}): not available on {device} "
+                  f"(available: {_ops.available_backends(device)})", file=sys.stderr, flush=True)
+            backends.remove(b)
     sizes = [int(s) for s in (args.sizes or ([1e4, 1e5, 1e6, 1e7, 1e8, 1e9] if device == "cuda" else
                                              [1e4, 1e5, 1e6, 1e7]))]
     width = args.model_width if args.model_width is not None else (768 if device == "cuda" else 128)
     min_time = args.min_time or (0.5 if device == "cuda" else 1.0)
 
-    cases = [("single", [(n,)], False) for n in sizes]
+    cases = [(mode, Case("single", [(n,)], tangents=args.tangents)) for mode in args.modes for n in sizes]
     if width:
-        cases.append((f"model-{len(model_shapes(width))}", model_shapes(width), False))
+        cases += [(mode, Case(f"model-{len(model_shapes(width))}", model_shapes(width), tangents=args.tangents))
+                  for mode in args.modes]
     if args.mlp_rows:
-        cases.append(("mlp12x1024-rows", mlp_shapes(), True))
-    title = f"fgfw l1_fw_step_ on {machine(device)}, K={args.tangents}"
-    print(f"# {title}; torch {torch.__version__}; eager/compile tangents: torch.randn per step", file=sys.stderr)
+        cases += [(mode, Case("mlp12x1024-rows", mlp_shapes(), True, args.tangents)) for mode in args.modes]
+    if args.more_tangents:
+        cases.append(("afgfw", Case("single", [(max(sizes),)], tangents=args.more_tangents)))
+    fitting = []
+    for mode, case in cases:
+        if fits(case.numel, device, mode, backends):
+            fitting.append((mode, case))
+        else:
+            print(f"skip {case.name} {mode} {case.numel:.3g} params: not enough memory", file=sys.stderr)
+    compile_sizes = None if args.compile_sizes is None else {int(x) for x in args.compile_sizes}
 
-    rows = []
-    for mode in args.modes:
-        for name, shapes, rows_scope in cases:
-            numel = sum(math.prod(s) for s in shapes)
-            if not fits(numel, device, mode, backends):
-                print(f"skip {name} {mode} {numel:.3g} params: not enough memory", file=sys.stderr)
-                continue
-            compile_here = mode in args.compile_modes and (
-                args.compile_sizes is None or (name == "single" and numel in {int(x) for x in args.compile_sizes}))
-            case_backends = [b for b in backends if b != "compile" or compile_here]
-            case_rows = run_case(name, shapes, device, mode, case_backends, args.tangents, min_time, args.warmup,
-                                 rows_scope)
-            for r in case_rows:
-                print(f"{r['case']:>15} {mode:>6} {r['params']:>11.3g} {r['backend']:>8} {r['median_ms']:10.4f} ms "
-                      f"{r['gbps']:8.1f} GB/s  copy {r['frac_copy']:5.0%}  x eager {r['vs_eager']:6.2f}",
-                      file=sys.stderr, flush=True)
-            rows += case_rows
+    def compiled_here(mode, case):
+        return mode in args.compile_modes and (
+            compile_sizes is None or (case.name == "single" and case.numel in compile_sizes))
 
+    title = f"fgfw l1_fw_step_ on {machine(device)}"
+    print(f"# {title}; torch {torch.__version__}; code {CODE}; eager/compile tangents: torch.randn per step",
+          file=sys.stderr)
     out = args.out or HERE / "figures" / f"kernel_{device}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     earlier = []
     if args.append and out.exists():
         with open(out, newline="") as f:
             earlier = list(csv.DictReader(f))
-    write_csv(out, earlier + rows)
+    rows = []
+
+    def record(new_rows):
+        rows.extend(new_rows)
+        add_ratios(rows)
+        write_csv(out, earlier + rows)
+        for r in new_rows:
+            print(f"{r['case']:>15} {r['mode']:>6} K={r['tangents']} {r['params']:>11.3g} {r['backend']:>8} "
+                  f"{r['median_ms']:10.4f} ms {r['gbps']:8.1f} GB/s  copy {r['frac_copy']:5.0%}  "
+                  f"x eager {r['vs_eager']:6.2f}", file=sys.stderr, flush=True)
+
+    def out_of_time(what):
+        if args.deadline is not None and time.monotonic() - began > args.deadline:
+            print(f"DEADLINE: {what} not measured ({args.deadline:g} s passed)", file=sys.stderr, flush=True)
+            return True
+        return False
+
+    if device == "cuda" or args.backend_by_backend:
+        # Backend by backend (one group on the device at a time: the largest sizes fit only alone), the copy
+        # first and torch.compile (slow to compile) last, so a run cut short keeps the rows that matter.
+        order = [b for b in ("copy", "eager", "fused", "triton", "compile") if b in backends]
+        for backend in order:
+            for mode, case in fitting:
+                if backend == "compile" and not compiled_here(mode, case):
+                    continue
+                if out_of_time(f"{case.name} {mode} K={case.tangents} {backend}"):
+                    continue
+                samples = time_case_alone(case, device, mode, backend, min_time, args.warmup)
+                if samples is not None:
+                    record([make_row(device, case, mode, backend, samples)])
+    else:
+        # The CPU times every backend of a case round-robin (time_cpu), so that a shared machine's load
+        # falls on all of them alike.
+        for mode, case in fitting:
+            if out_of_time(f"{case.name} {mode} K={case.tangents}"):
+                continue
+            case_backends = [b for b in backends if b != "compile" or compiled_here(mode, case)]
+            warmup = max(args.warmup, 3) if "compile" in case_backends else args.warmup
+            steps = {b: make_step(b, case.group(device, mode), device, mode) for b in case_backends}
+            times = time_cpu(steps, min_time, warmup)
+            record([make_row(device, case, mode, b, samples) for b, samples in times.items()])
+
     figure = args.figure or HERE / "figures" / f"kernel_{device}.png"
-    plot(rows, figure, title)
+    if str(figure) != "none":
+        plot(rows, figure, title)
     print(f"\n{title}\n\n{markdown(rows)}\n\nCSV: {out}\nPNG: {figure}")
 
 

@@ -83,6 +83,37 @@ def backends_line() -> str:
     return f"fgfw backends: {cpu}, cuda kernels registered: {cuda}, triton: {triton}, GPU: {gpu}"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-only", action="store_true",
+                     help="run only the tests that exercise GPU code when a GPU is there (the CUDA kernels, compiled "
+                          "Triton, CUDA graphs, anything parametrised over 'cuda' or 'triton' or skipped for want "
+                          "of a GPU): scripts/gpu_check.sh tests, where CI has already run the rest")
+
+
+def needs_gpu(item) -> bool:
+    """Whether a collected test exercises GPU code where a GPU is present (see --gpu-only)."""
+    name = item.nodeid.lower()
+    if "cuda" in name or "triton" in name or "fgfw_cuda_ops" in getattr(item, "fixturenames", ()):
+        return True
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", "")).lower()
+        if "gpu" in reason or "cuda" in reason:
+            return True
+    return item.get_closest_marker("gpu") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--gpu-only"):
+        return
+    keep = [item for item in items if needs_gpu(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not needs_gpu(item)])
+    items[:] = keep
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: the test exercises GPU code when a GPU is there (kept by --gpu-only)")
+
+
 def pytest_sessionstart(session):
     ops = _ops()
     failure = None if ops is None else _extension_failure(ops)

@@ -3,19 +3,25 @@ same inputs through the kernel and through fgfw.reference, and the comparison. U
 Triton tests (each passes its op and device).
 
 What must agree, and how exactly:
-* momentum: bit for bit wherever no transcendental is involved (backprop gradients, Rademacher tangents);
+* momentum: bit for bit wherever no transcendental is involved (backprop gradients, Rademacher tangents),
+  and for Gaussian tangents when the reference runs on the backend's own tangents (``backend=``: its
+  fill_tangent_ in place of reference.tangent; the kernels' log/sin/cos are not torch's, so an ulp of u
+  could otherwise flip a selection between near-equal |d|);
 * the L-infinity and k-sparse steps: theta bit for bit as well (the vertex is -r sign(d) on a selection,
   the update keep theta + alpha_vertex s is the reference's rounding); the k-sparse selection exactly;
 * the Lp steps: within a few ulps of the compute dtype (the norm is a float64 sum in another order, and
   pow differs in the last bit between libraries);
 * the gap: a float64 sum in another order, relative tolerance.
 """
+import contextlib
 import math
 import re
+from unittest import mock
 
 import pytest
 import torch
 
+from fgfw import _ops
 from fgfw import reference as ref
 
 GAUSSIAN, RADEMACHER = ref.GAUSSIAN, ref.RADEMACHER
@@ -66,28 +72,44 @@ def inputs(dtype, momentum: bool, source: str, scope: str, device, *, ties: bool
             radii_for(scope), offsets)
 
 
+def backend_tangent(backend: str, kernel_device):
+    """reference.tangent as ``backend``'s fill_tangent_ computes it (float32, on the kernel's device)."""
+    def tangent(numel, seed, step, tangent_id, offset=0, distribution=GAUSSIAN, device="cpu"):
+        out = torch.empty(numel, dtype=torch.float32, device=kernel_device)
+        return _ops.fill_tangent_(out, seed, step, tangent_id, offset, distribution, backend).to(device)
+    return tangent
+
+
 def run_set_step(step, kind: str, param, dtype, momentum: bool, source: str, scope: str, device, *,
-                 schedule=(3.0, 0.2, 0.4), ties: bool = False):
+                 schedule=(3.0, 0.2, 0.4), ties: bool = False, backend: str | None = None):
     """The reference and then ``step`` (an op with the reference's signature) on the same inputs; returns
-    [(params, momentum, gap)] for each, on the CPU."""
+    [(params, momentum, gap)] for each, on the CPU. ``backend`` (the step's: 'cpu', 'cuda', 'triton'): with
+    Gaussian tangents the reference draws them through that backend's fill_tangent_, so the two steps see
+    the same u and must then agree as exactly as with Rademacher ones (assert_set_step_matches(own_tangents))."""
     ref_step, keyword, _ = SETS[kind]
     params, moms, grads, coeffs, row_numel, radii, offsets = inputs(dtype, momentum, source, scope, device,
                                                                     ties=ties)
     extra = {} if keyword is None else {keyword: param}
+    own = source == "gaussian" and backend is not None
     runs = []
     for fn in (ref_step, step):
         ps, ms = [p.clone() for p in params], [m.clone() for m in moms]
         gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
-        fn(ps, ms, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64, device=device), coeffs,
-           radii, scope == "global", offsets, 5, RADEMACHER if source == "rademacher" else GAUSSIAN, gap, row_numel,
-           **extra)
+        patch = (mock.patch.object(ref, "tangent", backend_tangent(backend, device)) if own and fn is ref_step
+                 else contextlib.nullcontext())
+        with patch:
+            fn(ps, ms, [g.clone() for g in grads], torch.tensor(schedule, dtype=torch.float64, device=device),
+               coeffs, radii, scope == "global", offsets, 5, RADEMACHER if source == "rademacher" else GAUSSIAN, gap,
+               row_numel, **extra)
         runs.append(([p.cpu() for p in ps], [m.cpu() for m in ms], float(gap)))
     return runs
 
 
-def assert_set_step_matches(runs, kind: str, dtype, source: str) -> None:
+def assert_set_step_matches(runs, kind: str, dtype, source: str, *, own_tangents: bool = False) -> None:
+    """``own_tangents``: the runs come from run_set_step(backend=...), so Gaussian steps compare as exactly as
+    Rademacher ones."""
     (p_ref, m_ref, gap_ref), (p, m, gap) = runs
-    exact_momentum = source != "gaussian"
+    exact_momentum = source != "gaussian" or own_tangents
     for t, (a, b) in enumerate(zip(m, m_ref)):
         if exact_momentum:
             assert torch.equal(a, b), f"momentum[{t}] differs"
@@ -97,16 +119,20 @@ def assert_set_step_matches(runs, kind: str, dtype, source: str) -> None:
     for t, (a, b) in enumerate(zip(p, p_ref)):
         if kind in ("linf", "ksparse") and exact_momentum:
             assert torch.equal(a, b), f"params[{t}] differs: max {float((a.double() - b.double()).abs().max())}"
-        elif source == "gaussian" or dtype in (torch.bfloat16, torch.float16):
-            # a Gaussian tangent an ulp off can flip a k-sparse choice between near-equal |d|: an element moves
-            # by at most 2 alpha r there; the Lp vertex is an ulp off in the parameter's dtype
+        elif source == "gaussian" and not own_tangents:
+            # tangents an ulp apart: momentum-close values; k-sparse is not compared this way (it would accept
+            # any selection: a near-tie may flip), callers give it own_tangents
+            assert kind != "ksparse", "compare k-sparse Gaussian steps on the backend's own tangents"
             torch.testing.assert_close(a.double(), b.double(), rtol=2e-2 if dtype in (torch.bfloat16, torch.float16)
-                                       else 1e-4, atol=0.2 if kind == "ksparse" else 1e-5,
-                                       msg=lambda s: f"params[{t}]: {s}")
+                                       else 1e-4, atol=1e-5, msg=lambda s: f"params[{t}]: {s}")
+        elif dtype in (torch.bfloat16, torch.float16):
+            # the Lp vertex is an ulp off in the parameter's dtype
+            torch.testing.assert_close(a.double(), b.double(), rtol=2e-2, atol=1e-5, msg=lambda s: f"params[{t}]: {s}")
         else:
             eps = torch.finfo(cdt).eps
             torch.testing.assert_close(a, b, rtol=8 * eps, atol=8 * eps * 0.5, msg=lambda s: f"params[{t}]: {s}")
-    assert gap == pytest.approx(gap_ref, rel=1e-6 if source == "gaussian" or cdt == torch.float32 else 1e-10)
+    assert gap == pytest.approx(gap_ref, rel=1e-6 if (source == "gaussian" and not own_tangents) or cdt == torch.float32
+                                else 1e-10)
 
 
 def check_ksparse_selection_exact(step, device, dtype=torch.float32) -> None:

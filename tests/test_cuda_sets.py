@@ -53,8 +53,9 @@ def op_of(ops, kind):
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("kind,param", CASES)
 def test_matches_reference(set_ops, kind, param, scope, source, momentum):
-    runs = run_set_step(op_of(set_ops, kind), kind, param, torch.float32, momentum, source, scope, CUDA)
-    assert_set_step_matches(runs, kind, torch.float32, source)
+    runs = run_set_step(op_of(set_ops, kind), kind, param, torch.float32, momentum, source, scope, CUDA,
+                        backend="cuda")
+    assert_set_step_matches(runs, kind, torch.float32, source, own_tangents=True)
 
 
 @pytest.mark.parametrize("source,momentum", [("grad", False), ("rademacher", True), ("gaussian", True)])
@@ -62,8 +63,8 @@ def test_matches_reference(set_ops, kind, param, scope, source, momentum):
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("kind,param", CASES)
 def test_other_dtypes_match_reference(set_ops, kind, param, scope, dtype, source, momentum):
-    runs = run_set_step(op_of(set_ops, kind), kind, param, dtype, momentum, source, scope, CUDA)
-    assert_set_step_matches(runs, kind, dtype, source)
+    runs = run_set_step(op_of(set_ops, kind), kind, param, dtype, momentum, source, scope, CUDA, backend="cuda")
+    assert_set_step_matches(runs, kind, dtype, source, own_tangents=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

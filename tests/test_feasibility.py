@@ -13,7 +13,19 @@ import torch
 import fgfw
 from fgfw import _ops
 
-BACKENDS = [b for b in ("cpu", "torch") if _ops.backend_available(b, torch.device("cpu"))]
+# The CPU kernels and the reference on the CPU; the CUDA kernels and compiled Triton on a GPU (the Triton
+# interpreter is far too slow for these trajectories).
+BACKENDS = ["cpu", "torch", "cuda", "triton"]
+
+
+def _device(backend: str) -> torch.device:
+    """Where the backend's trajectory runs, or a skip when it cannot run here."""
+    device = torch.device("cuda" if backend in ("cuda", "triton") else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"backend {backend} needs a GPU here")
+    if not _ops.backend_available(backend, device):
+        pytest.skip(f"backend {backend} is not available on {device} (GPU: {torch.cuda.is_available()})")
+    return device
 
 
 def _l1(tensors) -> float:
@@ -32,9 +44,10 @@ def _least_squares(d=50, seed=0):
 @pytest.mark.parametrize("step_size", ["2/(k+2)", 1e-3, "1/k"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32_iterates_stay_inside_the_ball_with_exact_gradients(backend, step_size):
-    steps = 20_000 if backend == "cpu" else 3_000  # the reference backend is slow per step
-    a, b = _least_squares()
-    x = torch.zeros(a.shape[1], requires_grad=True)
+    device = _device(backend)
+    steps = 3_000 if backend == "torch" else 20_000  # the reference backend is slow per step
+    a, b = (t.to(device) for t in _least_squares())
+    x = torch.zeros(a.shape[1], requires_grad=True, device=device)
     opt = fgfw.FrankWolfe([x], constraint=fgfw.L1Ball(radius=1.0), step_size=step_size, backend=backend)
     worst = 0.0
     for _ in range(steps):
@@ -50,8 +63,9 @@ def test_float32_iterates_stay_inside_the_ball_with_exact_gradients(backend, ste
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_half_precision_iterates_are_one_rounding_from_the_ball(backend, dtype, step_size):
-    steps = 5_000 if backend == "cpu" else 1_000
-    theta = torch.zeros(1000, dtype=dtype, requires_grad=True)
+    device = _device(backend)
+    steps = 1_000 if backend == "torch" else 5_000
+    theta = torch.zeros(1000, dtype=dtype, requires_grad=True, device=device)
     with torch.no_grad():
         theta[0] = 1.0  # a vertex of the ball: feasible, and the worst case for drift
     opt = fgfw.FrankWolfe([theta], constraint=fgfw.L1Ball(radius=1.0), step_size=step_size, backend=backend)
@@ -59,7 +73,7 @@ def test_half_precision_iterates_are_one_rounding_from_the_ball(backend, dtype, 
     bound = 1.0 + torch.finfo(dtype).eps / 2
     worst = worst_master = 0.0
     for _ in range(steps):
-        theta.grad = torch.randn(1000, generator=gen).to(dtype)
+        theta.grad = torch.randn(1000, generator=gen).to(device, dtype)
         opt.step()
         worst = max(worst, _l1([theta]))
         if "master" in opt.state[theta]:

@@ -281,15 +281,49 @@ def test_cuda_output_dtypes(fgfw_cuda_ops, dtype, distribution):
     _assert_matches_reference(out, 4097, 11, 2, 1, 3, distribution)
 
 
-def test_cuda_equals_cpu_kernel_and_uses_current_stream(fgfw_cuda_ops):
+def _launches_on_the_current_stream(launch, out: torch.Tensor) -> bool:
+    """Whether ``launch()`` (which writes ``out``) ran on the current stream: a side stream is held behind
+    ~0.1 s of spinning and made current for the launch; a snapshot of ``out`` taken at once on the default
+    stream (not ordered after the side one) still holds the old values only if the launch waits on the side
+    stream. A kernel launched on the default stream instead would be done before the snapshot."""
+    out.fill_(float("nan"))
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = torch.empty(6, 9, device="cuda").t()
-        fgfw_cuda_ops.fill_tangent_(out, 4, 1, 0, 2, RADEMACHER)
+        torch.cuda._sleep(200_000_000)
+        launch()
+    snapshot = out.clone()  # on the default stream
+    torch.cuda.current_stream().synchronize()
+    untouched = bool(torch.isnan(snapshot).all())
     side.synchronize()
+    return untouched
+
+
+def test_cuda_equals_cpu_kernel_and_uses_current_stream(fgfw_cuda_ops):
+    out = torch.empty(6, 9, device="cuda").t()
+    assert _launches_on_the_current_stream(lambda: fgfw_cuda_ops.fill_tangent_(out, 4, 1, 0, 2, RADEMACHER), out)
     expected = torch.empty(6, 9).t()
     fgfw_cuda_ops.fill_tangent_(expected, 4, 1, 0, 2, RADEMACHER)
     assert torch.equal(out.cpu(), expected)
+    # the check itself can fail: a write on the default stream is seen by the snapshot
+    def on_default_stream():
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            fgfw_cuda_ops.fill_tangent_(out, 4, 1, 0, 2, RADEMACHER)
+    assert not _launches_on_the_current_stream(on_default_stream, out)
+
+
+def test_cuda_step_uses_current_stream(fgfw_cuda_ops):
+    params = [torch.zeros(10_000, device="cuda"), torch.zeros(7, 33, device="cuda")]
+    schedule = torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64, device="cuda")
+    coeffs = torch.tensor([0.5], dtype=torch.float64, device="cuda")
+    gap = torch.empty((), dtype=torch.float64, device="cuda")
+
+    def step():
+        for p in params:
+            p.zero_()
+        fgfw_cuda_ops.l1_fw_step_(params, [], [], schedule, coeffs, [1.0, 1.0], False, [0, 10_000], 3, GAUSSIAN, gap,
+                                  [])
+    assert _launches_on_the_current_stream(step, gap)
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])

@@ -484,6 +484,19 @@ def _radii_token(radii: Sequence[float]) -> _Radii:
     return token
 
 
+# Device tables that a CUDA graph captured: the graph replays their addresses, so they must survive the
+# caches' eviction (64 layouts); held for the life of the process, since a graph gives no sign when it is
+# freed. Only captures add to it: eager steps never do.
+_HELD_BY_GRAPHS: dict[int, object] = {}
+
+
+def hold_while_capturing(*tables) -> None:
+    """Keeps ``tables`` alive for good when the current stream is capturing a CUDA graph."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        for table in tables:
+            _HELD_BY_GRAPHS[id(table)] = table
+
+
 @functools.lru_cache(maxsize=64)
 def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tuple, radii_token: _Radii,
             global_ball: bool, has_grad: bool) -> _Layout:
@@ -697,6 +710,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     addresses = tuple(a for t, p in enumerate(params) for a in (
         p.data_ptr(), momentum[t].data_ptr() if has_momentum else 0, grads[t].data_ptr() if has_grad else 0))
     meta = _meta(layout, addresses)
+    hold_while_capturing(layout, meta)
     aligned = all(a % 16 == 0 for a in addresses)
     # One ball writes its share straight into gap; several write shares that the last kernel sums.
     ball_gap = gap if layout.n_balls == 1 else torch.empty(layout.n_balls, dtype=torch.float64, device=device)

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .fw_step import _checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _Radii, _radii_token, _step_factors
+from .fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _Radii, _radii_token, _step_factors,
+                      hold_while_capturing)
 from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
 
 # The step's set (KIND): plain ints on the host, constexprs in the kernels.
@@ -365,6 +366,7 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
     plan = _plan(device, tuple(x.numel() for x in params), row_numel,
                  (0,) * len(params) if has_grad else tuple(int(o) for o in offsets), _radii_token(radii),
                  bool(global_ball), has_grad)
+    hold_while_capturing(plan)
     if plan.slots == 0:
         gap.zero_()
         return
