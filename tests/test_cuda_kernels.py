@@ -457,9 +457,11 @@ def test_row_balls_tie_lowest_index_of_each_row(cuda_ops):
                              radii=[1.0, 2.0, 3.0, 4.0, 5.0], offsets=[], row_numel=[4, 300])
     assert_same_step(expected, got, EXACT)
     assert got[0][0][:, 0].tolist() == pytest.approx([0.005 - 0.5, 0.005 + 1.0, 0.005 - 1.5], rel=1e-6)
+    # the winners move to alpha_vertex * (-r sign d): r = 4 and 5 for the two rows of the second tensor
+    _, alpha_vertex = ref.step_factors(0.5, torch.float32)
     theta = got[0][1].cpu()
-    assert theta[0].nonzero().flatten().tolist() == [5] and theta[0, 5] == 2.0
-    assert theta[1].nonzero().flatten().tolist() == [37] and theta[1, 37] == -2.5
+    assert theta[0].nonzero().flatten().tolist() == [5] and theta[0, 5] == alpha_vertex * 4.0
+    assert theta[1].nonzero().flatten().tolist() == [37] and theta[1, 37] == alpha_vertex * -5.0
 
 
 @pytest.mark.parametrize("momentum", [False, True])

@@ -542,3 +542,15 @@ def test_step_rejects_bad_row_numel():
     with pytest.raises(ValueError, match="row_numel must be all 0 for the global ball"):
         step([1.0], [6, 0], global_ball=True)
     assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+
+
+def test_no_kernel_global_is_a_nan():
+    """Compiled Triton (3.6) compares every global a kernel reads with its value at compile time before it reuses
+    the kernel, and NaN never equals itself: a NaN global constexpr made every launch after the first raise
+    "Global variable ... has changed" (the set steps' _NAN, seen on an H200; the interpreter never checks).
+    Every module-level constexpr of fgfw.triton must equal itself."""
+    from fgfw.triton import ops, set_steps
+    for module in (fw_step, set_steps, tangent, ops):
+        for name, value in vars(module).items():
+            if isinstance(value, tl.constexpr):
+                assert value.value == value.value, f"{module.__name__}.{name} = {value.value!r} never equals itself"

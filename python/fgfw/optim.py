@@ -437,7 +437,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
     def _plan_key(self) -> list:
         """What the plan is built from: compared with the cached plan's key at every step. Radii are copied
         (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan)."""
-        key: list = [id(self.state), len(self.state)]  # state replaced or cleared: momentum tensors made anew
+        # state cleared: momentum tensors made anew (load_state_dict drops the plan itself). Not id(self.state):
+        # torch.compile of torch 2.11 cannot trace id() of a defaultdict (fullgraph steps failed there).
+        key: list = [len(self.state)]
         for group in self.param_groups:
             constraint = group["constraint"]
             key.append((id(group), tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],

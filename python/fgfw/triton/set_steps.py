@@ -48,7 +48,14 @@ from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
 # The step's set (KIND): plain ints on the host, constexprs in the kernels.
 LINF, LP, KSPARSE = 0, 1, 2
 _LINF, _LP = tl.constexpr(LINF), tl.constexpr(LP)
-_NAN = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _nan_f64():
+    """NaN as float64 bits. Not a global constexpr: compiled Triton (3.6) compares a kernel's globals with their
+    values at compile time before it reuses the kernel, and NaN never equals itself, so every launch after the
+    first raised "Global variable ... has changed" (seen on an H200; the interpreter does not check)."""
+    return tl.full([], 0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)
 
 _MIN_SEG = 4
 # Elements per thread: 8 as the L1 step's (a tile of BLOCK on 8 warps), but 4 for the Lp kernels, whose
@@ -157,7 +164,7 @@ def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_
         magnitude = tl.where(valid, magnitude, 0.0)
         # max with NaN propagated by hand: tl.max treats NaN differently compiled and interpreted
         row_max = tl.max(tl.where(is_nan, 0.0, magnitude), axis=1)
-        row_max = tl.where(tl.max(is_nan.to(tl.int32), axis=1) != 0, _NAN, row_max)
+        row_max = tl.where(tl.max(is_nan.to(tl.int32), axis=1) != 0, _nan_f64(), row_max)
         scale = tl.where(row_max > 0, row_max, 1.0)  # an all-zero row sums to 0
         row_sum = tl.sum(tl.where(valid, _pow(magnitude / scale[:, None], Q), 0.0), axis=1)
         slot = slot_base + ball * chunks + chunk
@@ -183,7 +190,7 @@ def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks
         m = tl.load(part_max + first[:, None] + j[None, :], mask=mask, other=0.0)
         any_nan = tl.maximum(any_nan, tl.max((m != m).to(tl.int32), axis=1))
         top = tl.maximum(top, tl.max(tl.where(m != m, 0.0, m), axis=1))
-    top = tl.where(any_nan != 0, _NAN, top)
+    top = tl.where(any_nan != 0, _nan_f64(), top)
     scale = tl.where(top > 0, top, 1.0)
     total = tl.zeros([RB], dtype=tl.float64)
     for c in range(0, chunks, CB):
