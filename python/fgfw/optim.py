@@ -438,11 +438,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         """What the plan is built from: compared with the cached plan's key at every step. Radii are copied
         (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan)."""
         # state cleared: momentum tensors made anew (load_state_dict drops the plan itself). Not id(self.state):
-        # torch.compile of torch 2.11 cannot trace id() of a defaultdict (fullgraph steps failed there).
-        key: list = [len(self.state)]
-        for group in self.param_groups:
+        # torch.compile of torch 2.11 cannot trace id() of a dict (fullgraph steps failed there, on an H200).
+        key: list = [len(self.state)]  # index 0: updated by the step that makes the state (_apply)
+        # groups by position, not id(group): torch 2.11's dynamo cannot trace id() of a dict either
+        for g, group in enumerate(self.param_groups):
             constraint = group["constraint"]
-            key.append((id(group), tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
+            key.append((g, tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
                         self._schedule_key(group), group["rescale"], list(group["radii"]),
                         tuple(self._takes_part(group))))
         return key
@@ -496,7 +497,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             # torch ops through its vertex (reference.fw_step_), in calls of its own for each constraint object
             fused = isinstance(constraint, L1Ball) and group["rescale"] is None
             shared = (_ops.resolve_backend(group["backend"], device), momentum,
-                      id(group) if constraint.global_ball else None if fused else id(constraint),
+                      ("group", g) if constraint.global_ball else None if fused else id(constraint),
                       self._schedule_key(group), group["rescale"])
             for i, p in enumerate(params):
                 # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
@@ -638,7 +639,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                      else torch.zeros(0, dtype=torch.float64, device=device))
             if call.targets is None:
                 self._make_state(call)
-                plan.key[1] = len(self.state)  # the state this plan made is its own (see _plan_key)
+                plan.key[0] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
             if call.fused_set is not None:
                 _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
