@@ -106,6 +106,114 @@ def test_estimate_is_unbiased():
     assert float((flat - exact).norm() / exact.norm()) < 4 * (13 / k) ** 0.5
 
 
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x)[0]
+
+
+class TinyLM(nn.Module):
+    """Embedding, LayerNorm, a convolution over the sequence and a tied output layer: layers other than
+    nn.Linear, and a weight held by two modules."""
+
+    def __init__(self, vocab=11, width=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):  # (N, L) -> (N, vocab)
+        h = self.norm(self.embed(tokens))
+        h = torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return self.head(h).mean(1)
+
+
+def cnn(batchnorm_training: bool):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 2, 2, stride=2),
+                          nn.Flatten(), nn.Linear(18, 3)).double()
+    return model.train(batchnorm_training)
+
+
+def layer_estimate(model, x, y, num_tangents):
+    """The estimate from autograd alone: per-example deltas dL_b/dz of every layer output (one backward), the
+    tangents from the stream, then each layer's (dz/dtheta)^T dz_hat by autograd through that layer only
+    (its inputs detached) on a copy of the model."""
+    deltas_model, local_model = copy.deepcopy(model), copy.deepcopy(model)
+    layers = [m for m in deltas_model.modules() if next(m.parameters(recurse=False), None) is not None]
+    outs = []
+
+    def keep(layer, args, out):
+        out.retain_grad()
+        outs.append(out)
+
+    handles = [m.register_forward_hook(keep) for m in layers]
+    losses = F.cross_entropy(deltas_model(x), y, reduction="none")
+    losses.sum().backward()
+    for h in handles:
+        h.remove()
+    n = len(y)
+    dz_hat = [torch.zeros_like(z) for z in outs]
+    for t in range(num_tangents):
+        offset, us = 0, []
+        for z in outs:
+            us.append(stream_tangent(torch.empty_like(z), offset, t))
+            offset += -(-z.numel() // 4) * 4
+        c = sum((z.grad * u).reshape(n, -1).sum(1) for z, u in zip(outs, us))
+        for acc, u in zip(dz_hat, us):
+            acc += c.view(n, *[1] * (u.dim() - 1)) * u / (num_tangents * n)
+    local_layers = [m for m in local_model.modules() if next(m.parameters(recurse=False), None) is not None]
+    local_outs = []
+    handles = [m.register_forward_pre_hook(lambda layer, args: tuple(a.detach() for a in args)) for m in local_layers]
+    handles += [m.register_forward_hook(lambda layer, args, out: local_outs.append(out)) for m in local_layers]
+    local_model(x)
+    for h in handles:
+        h.remove()
+    sum((z * w).sum() for z, w in zip(local_outs, dz_hat)).backward()
+    return {name: p.grad for name, p in local_model.named_parameters()}
+
+
+@pytest.mark.parametrize("in_one_pass", [False, True])
+def test_estimate_of_other_layers_is_their_chain_rule(in_one_pass):
+    """Embedding, LayerNorm, Conv1d, a tied weight, and (eval mode) Conv2d and BatchNorm2d: the estimate equals
+    the chain rule through each layer alone, from per-example backprop deltas and the same tangents."""
+    torch.manual_seed(3)
+    lm = TinyLM().double()
+    tokens = torch.randint(0, 11, (5, 7))
+    images = torch.randn(4, 2, 6, 6, dtype=torch.double)
+    for model, x in ((lm, tokens), (cnn(batchnorm_training=False), images)):
+        y = torch.arange(len(x)) % 3
+        params = list(model.parameters())
+        _, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
+                                      stream_tangent, 3, in_one_pass)
+        expected = layer_estimate(model, x, y, 3)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[id(p)], expected[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_estimate_is_unbiased_with_batchnorm_in_train_mode():
+    """BatchNorm in train mode couples the examples: the estimate takes the batch's directional derivative for
+    every example and stays unbiased (the per-example form would miss the other examples' share)."""
+    model = cnn(batchnorm_training=True)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.double)
+    y = torch.arange(4) % 3
+    params = list(model.parameters())
+    k = 3000
+    _, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
+                                  stream_tangent, k)
+    exact = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    flat = torch.cat([grads[id(p)].reshape(-1) for p in params])
+    exact = torch.cat([g.reshape(-1) for g in exact])
+    # perturbed activations per example: 3*36 + 3*36 + 2*9 + 3 = 237; the batch's c for each example adds the
+    # other examples' noise (x4)
+    assert float((flat - exact).norm() / exact.norm()) < 4 * (4 * 237 / k) ** 0.5
+
+
 def mlp_and_batch():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
@@ -222,10 +330,11 @@ def test_bad_input_is_refused_early():
         AFGFW(model, constraint=ball, estimator="activations")
     with pytest.raises(ValueError, match="engine selects"):
         AFGFW(model, constraint=ball, estimator="activity", engine="lean")
-    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
-    with pytest.raises(ValueError, match=r"'0.weight'.*belongs to no nn.Linear"):
-        AFGFW(conv, constraint=ball, estimator="activity")
-    AFGFW(conv, params=conv[2].parameters(), constraint=ball, estimator="activity")  # linear layers only: fine
+    attention = Attention()
+    tokens = torch.randn(4, 5, 6)
+    opt = AFGFW(attention, constraint=ball, estimator="activity")
+    with pytest.raises(ValueError, match="MultiheadAttention returned tuple"):  # no one output to perturb
+        opt.step(lambda: attention(tokens).square().mean((1, 2)))
     for one_pass in (False, True):
         opt = AFGFW(model, constraint=ball, estimator="activity", num_tangents=2, tangents_in_one_pass=one_pass)
         with pytest.raises(ValueError, match="outside that layer's forward"):  # a penalty the estimate cannot see

@@ -789,11 +789,12 @@ def test_clear_errors():
         constraints.from_dict(dict(fgfw.LpBall(1.0, p=2.5).to_dict(), p=1.0))
     with pytest.raises(ValueError, match="not a valid"):
         constraints.from_dict({"kind": "k_sparse_polytope", "radius": 1.0, "scope": "tensor", "relative_scale": None})
-    # a radius rule over all-zero weights names the parameter
+    # a radius rule over non-finite weights names the parameter (all-zero ones take a stand-in:
+    # tests/test_radius_rules.py)
+    with pytest.raises(ValueError, match="parameter 1"):
+        fgfw.L2Ball.relative_to_init(1.0).resolve_radii([torch.ones(2), torch.tensor([1.0, math.inf])])
     with pytest.raises(ValueError, match="parameter 0"):
-        fgfw.L2Ball.relative_to_init(1.0).resolve_radii([torch.zeros(3)])
-    with pytest.raises(ValueError, match="parameter 0"):
-        fgfw.LInfBall.from_init_diameter(1.0).resolve_radii([torch.zeros(3)])
+        fgfw.LInfBall.from_init_diameter(1.0).resolve_radii([torch.tensor([math.nan, 1.0])])
 
 
 # -- 7. forward-gradient runs stay inside every set ------------------------------------------------------------

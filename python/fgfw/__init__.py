@@ -11,6 +11,7 @@ from . import _ops, distributed, reference
 from ._ops import available_backends, resolve_backend
 from .constraints import (Constraint, GroupL1Ball, KSparsePolytope, L1Ball, L2Ball, LInfBall, LpBall,
                           NonnegativeL1Ball, NuclearNormBall, Simplex)
+from .groups import param_groups
 from .optim import AFGFW, FGFW, FrankWolfe
 
 # Register the compiled ops (torch.ops.fgfw.*) now if the extension was built; without it the reference
@@ -19,4 +20,5 @@ HAS_COMPILED_EXTENSION = _ops._compiled_extension()
 
 __version__ = "0.1.0"
 __all__ = ["AFGFW", "FGFW", "FrankWolfe", "Constraint", "GroupL1Ball", "KSparsePolytope", "L1Ball", "L2Ball", "LInfBall", "LpBall",
-           "NonnegativeL1Ball", "NuclearNormBall", "Simplex", "available_backends", "resolve_backend", "reference"]
+           "NonnegativeL1Ball", "NuclearNormBall", "Simplex", "available_backends", "param_groups", "resolve_backend",
+           "reference"]

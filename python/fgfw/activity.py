@@ -1,4 +1,4 @@
-"""The activity-perturbed forward gradient: tangents on the outputs of ``nn.Linear`` layers.
+"""The activity-perturbed forward gradient: tangents on the outputs of the layers that hold the parameters.
 
 The paper's estimator perturbs the weights: ``g_hat = <grad f, u> u`` with u over all d parameters, so
 each coordinate's noise is ~sqrt(d) times its signal. Perturbing activations instead (Ren, Kornblith,
@@ -23,8 +23,19 @@ are not kept but drawn again from the stream for the estimate; the estimate is a
 to the fused step like a backprop gradient.
 
 Tangents come from the library's stream (``fill_tangent_``), so a run is reproducible: the t-th tangent
-of step k for the i-th linear call of the forward lives at offset ``sum of the earlier calls' output
+of step k for the i-th perturbed call of the forward lives at offset ``sum of the earlier calls' output
 sizes`` (each rounded up to a multiple of 4), ``tangent_id`` t.
+
+Layers: every module that directly holds one of the parameters is perturbed (each of them, for a weight
+tied between two modules). ``nn.Linear`` takes the closed form above; any other layer (convolutions,
+embeddings, normalisation layers, Hugging Face's ``Conv1D``, ...) takes the same chain rule through the
+vector-Jacobian product of its own forward at the recorded inputs, ``g_hat(theta_l) = (dz_l/dtheta_l)^T
+dz_hat_l`` with ``dz_hat_l = 1/(K N) sum_k c_k u_{k,l}`` (autograd through the layer alone, its buffers
+copied so that a BatchNorm's running statistics move once per step, as in a plain forward).
+The layer's output must be one tensor whose first dimension is the batch of the per-example losses.
+A model with a layer that mixes the examples of a batch (BatchNorm in train mode) takes the whole batch's
+directional derivative in place of each example's (:func:`couples_examples`): per-example ones would be
+biased there.
 """
 from __future__ import annotations
 
@@ -35,32 +46,50 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch._C._functorch import _add_batch_dim, _unwrap_for_grad, maybe_current_level
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .forward_ad_engine import _attention_with_forward_ad
 from .lean import _reads_metadata_only
 from .reference import compute_dtype
 
 
-def linear_owners(module: nn.Module, params: Sequence[torch.Tensor]) -> dict[nn.Linear, None]:
-    """The ``nn.Linear`` layers of ``module`` that own ``params``; every parameter must have one.
+def perturbed_layers(module: nn.Module, params: Sequence[torch.Tensor]) -> dict[nn.Module, None]:
+    """The modules of ``module`` that directly hold any of ``params`` (every holder of a tied parameter), in
+    ``module.modules()`` order: the layers whose outputs the activity estimator perturbs.
 
-    Raises ``ValueError`` naming a parameter that is not the weight or bias of a linear layer (the
-    activity estimator perturbs linear outputs, so it has nothing to estimate such a parameter from).
+    Raises ``ValueError`` naming a parameter that no module of ``module`` holds.
     """
-    owner = {}
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.Linear):
-            for p in layer.parameters(recurse=False):
-                owner.setdefault(id(p), (name, layer))
+    wanted = {id(p) for p in params}
+    layers: dict[nn.Module, None] = {}
+    held = set()
+    for layer in module.modules():
+        for p in layer.parameters(recurse=False):
+            if id(p) in wanted:
+                layers[layer] = None
+                held.add(id(p))
     names = {id(p): n for n, p in module.named_parameters()}
-    layers: dict[nn.Linear, None] = {}
     for p in params:
-        if id(p) not in owner:
-            raise ValueError(f"estimator='activity' estimates the gradients of nn.Linear weights and biases only; "
-                             f"parameter {names.get(id(p), '?')!r} (shape {tuple(p.shape)}) belongs to no nn.Linear "
-                             f"of the module (use estimator='weight', or a param group of linear layers)")
-        layers[owner[id(p)][1]] = None
+        if id(p) not in held:
+            raise ValueError(f"estimator='activity' perturbs the outputs of the modules that hold the parameters; "
+                             f"parameter {names.get(id(p), '?')!r} (shape {tuple(p.shape)}) is held by no module of "
+                             f"the module given to the optimizer (use estimator='weight')")
     return layers
+
+
+def couples_examples(module: nn.Module) -> bool:
+    """Whether a layer of ``module`` mixes the examples of a batch in its forward (a BatchNorm in train mode
+    normalises by the batch's statistics).
+
+    Then example b's loss depends on every example's activations, and ``c_b u_b`` (example b's directional
+    derivative times b's tangent) misses the other examples' losses' share of the gradient at b: biased.
+    The estimator uses the whole batch's directional derivative for every example instead, ``(sum_b' c_b')
+    u_b``: unbiased again, with more variance."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
+
+
+def _batch_coupled(c: torch.Tensor, coupled: bool) -> torch.Tensor:
+    """c (per example along its last dimension), or each row's sum in every place when examples are coupled."""
+    return c.sum(-1, keepdim=True).expand_as(c).contiguous() if coupled else c
 
 
 def _check_losses(losses: object) -> torch.Tensor:
@@ -85,7 +114,8 @@ class _Perturbation(TorchFunctionMode):
         super().__init__()
         # primal_of: the input's value without its tangent (keeping the dual would keep the tangent alive)
         self.layers, self.tangents, self.primal_of = layers, tangents, primal_of
-        self.calls: list[tuple[nn.Linear, torch.Tensor, tuple, int]] = []  # (layer, input, output meta, offset)
+        # (layer, its inputs (args, kwargs) without tangents, output meta, offset) per perturbed call
+        self.calls: list[tuple[nn.Module, tuple, tuple, int]] = []
         self.offset = 0
         self.inside = 0  # depth of perturbed-layer forwards being run
         self.params = {id(p) for layer in layers for p in layer.parameters(recurse=False)}
@@ -97,7 +127,7 @@ class _Perturbation(TorchFunctionMode):
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     if isinstance(t, torch.Tensor) and id(t) in self.params:
                         raise ValueError(
-                            f"estimator='activity': a parameter of shape {tuple(t.shape)} of a perturbed nn.Linear is "
+                            f"estimator='activity': a parameter of shape {tuple(t.shape)} of a perturbed layer is "
                             f"used outside that layer's forward (by {getattr(func, '__name__', func)}), a use the "
                             f"estimate cannot see; use estimator='weight', or leave that layer out of params")
         return func(*args, **kwargs)
@@ -107,9 +137,12 @@ class _Perturbation(TorchFunctionMode):
 
     def _hook(self, layer, args, kwargs, out):
         self.inside -= 1
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise ValueError(f"estimator='activity' perturbs the output of every layer that holds a parameter; "
+                             f"{type(layer).__name__} returned {type(out).__name__}, not one floating-point tensor "
+                             f"(use estimator='weight', or leave that layer's parameters out of params)")
         meta = (out.shape, out.dtype, out.device)
-        x = args[0] if args else kwargs["input"]
-        self.calls.append((layer, self.primal_of(x), meta, self.offset))
+        self.calls.append((layer, _map_tensors(self.primal_of, (args, kwargs)), meta, self.offset))
         u = self.tangents(out, self.offset)
         self.offset += -(-out.numel() // 4) * 4
         return out + fwAD.make_dual(torch.zeros(out.shape, dtype=out.dtype, device=out.device), u)
@@ -125,21 +158,60 @@ class _Perturbation(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
-def _add_call_estimate(layer, h, meta, offset, c: torch.Tensor, tangent_ids: Sequence[int], make_tangent,
+def _map_tensors(fn, inputs):
+    """(args, kwargs) with ``fn`` applied to every tensor among them (lists and tuples looked into)."""
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(one(v) for v in x)
+        return x
+    args, kwargs = inputs
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _first_input(inputs) -> torch.Tensor:
+    args, kwargs = inputs
+    return args[0] if args else kwargs["input"]
+
+
+def _layer_vjp(layer: nn.Module, inputs, dz: torch.Tensor, acc: torch.dtype) -> dict[int, torch.Tensor]:
+    """``(dz_l/dtheta)^T dz`` for each parameter theta the layer holds directly, by the vector-Jacobian product
+    of the layer's own forward at its recorded inputs (its buffers copied: a second run must not move a
+    BatchNorm's running statistics)."""
+    names = [n for n, p in layer.named_parameters(recurse=False)]
+    # plain autograd, not torch.func.vjp: a BatchNorm in train mode updates its (copied) buffers in place
+    weights = [getattr(layer, n).detach().requires_grad_() for n in names]
+    buffers = {n: b.clone() for n, b in layer.named_buffers(recurse=False)}
+    args, kwargs = inputs
+    with torch.enable_grad():
+        out = torch.func.functional_call(layer, {**dict(zip(names, weights)), **buffers}, args, kwargs)
+        grads = torch.autograd.grad(out, weights, dz.to(out.dtype), allow_unused=True)
+    return {id(getattr(layer, n)): (torch.zeros_like(w) if g is None else g).detach().to(acc)
+            for n, w, g in zip(names, weights, grads)}
+
+
+def _add_call_estimate(layer, inputs, meta, offset, c: torch.Tensor, tangent_ids: Sequence[int], make_tangent,
                        num_tangents: int, grads: dict[int, torch.Tensor]) -> None:
     """Adds one layer call's share of g_hat to ``grads``. Row r of c (shape (k, N)) belongs to tangent
     ``tangent_ids[r]``, whose values are drawn again from the stream (nothing tangent-sized was kept)."""
     shape, dtype, device = meta
     n = c.shape[1]
-    if len(shape) < 2 or shape[0] != n:
-        raise ValueError(f"estimator='activity': an nn.Linear output of shape {tuple(shape)} does not start with "
-                         f"the batch dimension of the {n} per-example losses (batch-first layouts only)")
+    if len(shape) < 1 or shape[0] != n:
+        raise ValueError(f"estimator='activity': a {type(layer).__name__} output of shape {tuple(shape)} does not "
+                         f"start with the batch dimension of the {n} per-example losses (batch-first layouts only)")
     acc = compute_dtype(dtype)  # float32 sums for float16 / bfloat16 layers, as the fused step keeps v
     dz = torch.zeros(shape, dtype=acc, device=device)
     for row, t in enumerate(tangent_ids):
         u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
         dz.addcmul_(c[row].to(acc).view(n, *[1] * (len(shape) - 1)), u.to(acc))
-    dz = dz.reshape(-1, shape[-1]).div_(num_tangents * n)
+    dz.div_(num_tangents * n)
+    if type(layer) is not nn.Linear:
+        for key, g in _layer_vjp(layer, inputs, dz, acc).items():
+            grads[key] = grads[key].add_(g) if key in grads else g
+        return
+    h = _first_input(inputs)
+    dz = dz.reshape(-1, shape[-1])
     weight = grads.setdefault(id(layer.weight), torch.zeros_like(layer.weight, dtype=acc))
     weight.add_(dz.T @ h.reshape(-1, h.shape[-1]).to(acc))
     if layer.bias is not None:
@@ -155,15 +227,21 @@ def _recompute_estimate(layers, closure, calls, losses: torch.Tensor, c: torch.T
     train mode, data-dependent randomness) raises ``ValueError`` rather than mixing two different passes.
     """
     seen = [0]
+    estimating = [False]  # a layer's own vjp runs its forward again (and its children's): not a call of the pass
 
     def hook(layer, args, kwargs, out):
+        if estimating[0]:
+            return
         i = seen[0]
         if i >= len(calls) or calls[i][0] is not layer or tuple(out.shape) != tuple(calls[i][2][0]):
-            raise ValueError("recompute_inputs=True: the second forward pass called the linear layers differently "
+            raise ValueError("recompute_inputs=True: the second forward pass called the perturbed layers differently "
                              "from the first; the closure must be deterministic (no dropout in train mode)")
-        x = args[0] if args else kwargs["input"]
-        _add_call_estimate(layer, x, calls[i][2], calls[i][3], c, range(num_tangents), make_tangent, num_tangents,
-                           grads)
+        estimating[0] = True
+        try:
+            _add_call_estimate(layer, (args, kwargs), calls[i][2], calls[i][3], c, range(num_tangents), make_tangent,
+                               num_tangents, grads)
+        finally:
+            estimating[0] = False
         seen[0] += 1
 
     handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
@@ -199,12 +277,14 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
     a parameter the forward never used gets a zero estimate (its exact gradient).
     """
     params = list(params)
-    layers = linear_owners(module, params)
+    layers = perturbed_layers(module, params)
+    coupled = couples_examples(module)
     grads: dict[int, torch.Tensor] = {}
     keep = not recompute_inputs
     with torch.inference_mode(False), torch.no_grad(), _attention_with_forward_ad():
         if in_one_pass:
             losses, c, calls, inputs = _one_pass(layers, closure, make_tangent, num_tangents, keep)
+            c = _batch_coupled(c, coupled)
             for call, h in zip(calls, inputs if keep else ()):
                 _add_call_estimate(call[0], h, call[2], call[3], c, range(num_tangents), make_tangent,
                                    num_tangents, grads)
@@ -218,7 +298,7 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                 with fwAD.dual_level(), _Perturbation(layers, tangent, primal_of) as pert:
                     out = _check_losses(closure())
                     primal, c_t = fwAD.unpack_dual(out)
-                    c_t = torch.zeros_like(primal) if c_t is None else c_t
+                    c_t = _batch_coupled(torch.zeros_like(primal) if c_t is None else c_t, coupled)
                 losses = primal if t == 0 else losses
                 calls = pert.calls
                 if keep:  # this pass's share now, so that its inputs go
@@ -252,7 +332,12 @@ def _one_pass(layers, closure, make_tangent, num_tangents, keep_inputs=True):
             with _Perturbation(layers, tangents, primal_of) as pert:
                 losses = _check_losses(closure())
             records["calls"] = pert.calls
-            return losses, [x for _, x, _, _ in pert.calls] if keep_inputs else []
+            if not keep_inputs:
+                return losses, []
+            # vmap returns tensors only: the inputs' tensors go out, the rest of their structure stays here
+            flat, records["spec"] = tree_flatten([inputs for _, inputs, _, _ in pert.calls])
+            records["flat"] = flat
+            return losses, [x for x in flat if isinstance(x, torch.Tensor)]
 
         anchor = torch.zeros(())
         return torch.func.jvp(run, (anchor,), (anchor,), has_aux=True)
@@ -266,4 +351,8 @@ def _one_pass(layers, closure, make_tangent, num_tangents, keep_inputs=True):
         raise ValueError("the closure updates a tensor it captured in place (e.g. BatchNorm running statistics in "
                          "train mode), which several tangents in one pass cannot do; use tangents_in_one_pass=False "
                          f"(torch: {error})") from None
-    return losses, c, records["calls"], inputs
+    if not keep_inputs:
+        return losses, c, records["calls"], []
+    tensors = iter(inputs)
+    flat = [next(tensors) if isinstance(x, torch.Tensor) else x for x in records["flat"]]
+    return losses, c, records["calls"], tree_unflatten(flat, records["spec"])

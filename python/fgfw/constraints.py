@@ -24,15 +24,20 @@ Ties go to the lowest index, as in the L1 kernels. Radii: explicit, ``relative_t
 times the set's gauge of the initial parameters: its norm, or the sum for the simplices), or
 ``from_init_diameter(scale)``: the radius whose ball has the L2 diameter 2 scale E||theta_0||_2 of the
 tensor's own initial values, the rule that makes every set equally large (see :meth:`_Ball.l2_diameter`).
+A ball whose initial values are all zero (biases, normalisation shifts) takes the rule's value on
+draws of its module's own initialisation, else on a stand-in of unit L2 norm (see
+:meth:`Constraint.resolve_radii`).
 """
 from __future__ import annotations
 
 import math
 import sys
 import warnings
+import weakref
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
 from . import reference
 
@@ -69,6 +74,60 @@ def _unit_max_rows(d: torch.Tensor) -> torch.Tensor:
 
 
 _unit_max = reference._unit_max  # d / max|d_i| in float64 (one definition, the reference's)
+
+# Each registered parameter's module (the one that holds it directly), for the radius rules of balls that
+# start at zero (Constraint.resolve_radii): filled by the optimizers that are given a module and by
+# fgfw.param_groups. id(parameter) -> (weak parameter, weak module): registering a model keeps none of it
+# alive (a WeakKeyDictionary would compare tensors with ==, elementwise).
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# Draws of a module's initialisation averaged by the radius rule of a ball that starts at zero.
+INIT_DRAWS = 4
+
+
+def register_modules(module: nn.Module) -> None:
+    """Records which module holds each parameter of ``module``, so that the radius rules can draw a
+    zero-initialised parameter's expected initial values from its module's ``reset_parameters``."""
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            key = id(p)
+            _OWNERS[key] = (weakref.ref(p, lambda _, key=key: _OWNERS.pop(key, None)), weakref.ref(m))
+
+
+def _owner(p: torch.Tensor) -> nn.Module | None:
+    entry = _OWNERS.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+def init_draws(p: torch.Tensor) -> list[torch.Tensor]:
+    """``INIT_DRAWS`` draws of ``p`` as its module's ``reset_parameters`` makes it (float64, on the CPU), or []
+    when no module with ``reset_parameters`` is registered for ``p`` or the reset fails.
+
+    The module is left as it was: the reset writes into stand-ins of its own parameters and buffers (a
+    BatchNorm's reset also zeroes its running statistics), and the CPU generator is forked and seeded
+    (the draws are the same on every run and the caller's random stream is untouched)."""
+    module = _owner(p)
+    reset = getattr(module, "reset_parameters", None)
+    name = None if module is None else next((n for n, q in module._parameters.items() if q is p), None)
+    if name is None or not callable(reset):
+        return []
+    own_params, own_buffers = module._parameters, module._buffers
+    draws = []
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.random.default_generator.manual_seed(0)
+            for _ in range(INIT_DRAWS):
+                module._parameters = {n: None if q is None else nn.Parameter(torch.empty(q.shape, dtype=q.dtype),
+                                                                            requires_grad=False)
+                                      for n, q in own_params.items()}
+                module._buffers = {n: None if b is None else b.detach().to("cpu", copy=True)
+                                   for n, b in own_buffers.items()}
+                reset()
+                draws.append(module._parameters[name].detach().double())
+    except Exception:  # noqa: BLE001  (a reset that cannot run on CPU stand-ins: the stated fallback applies)
+        return []
+    finally:
+        module._parameters, module._buffers = own_params, own_buffers
+    return draws
 
 
 class Constraint:
@@ -234,7 +293,8 @@ class Constraint:
         p = p.detach()  # views of the same memory, without autograd history
         return list(p.unbind(0)) if p.dim() >= 2 else [p]
 
-    def _rule_radius(self, tensors: Sequence[torch.Tensor], where: str) -> float:
+    def _rule_value(self, tensors: Sequence[torch.Tensor]) -> tuple[float, float, str]:
+        """(the rule's radius, the initial norm it is taken from, that norm's name) for one ball's values."""
         if self.rule == "init_diameter":
             l2 = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
             shape = tuple(tensors[0].shape) if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
@@ -242,34 +302,62 @@ class Constraint:
             if not unit > 0:
                 # a ball whose diameter is 0 for every radius (a one-element simplex {r}, an empty tensor):
                 # no radius gives it the diameter of its initial values (this was a ZeroDivisionError)
-                raise ValueError(f"{type(self).__name__}.from_init_diameter cannot set a radius from {where}: a "
-                                 f"{self.NAME} over {math.prod(shape)} element(s) has L2 diameter 0 whatever its "
-                                 f"radius; give it a param group of its own with an explicit radius, e.g. "
+                raise ValueError(f"{type(self).__name__}.from_init_diameter cannot set a radius for a {self.NAME} over "
+                                 f"{math.prod(shape)} element(s): its L2 diameter is 0 whatever its radius; give it a "
+                                 f"param group of its own with an explicit radius, e.g. "
                                  f"{{'params': [...], 'constraint': fgfw.{type(self).__name__}(radius=1.0)}}")
-            value, what = 2.0 * self.relative_scale * l2 / unit, "L2 norm"
-            norm = l2
-        else:
-            norm = self.norm(tensors)
-            value, what = self.relative_scale * norm, self.GAUGE
+            return 2.0 * self.relative_scale * l2 / unit, l2, "L2 norm"
+        norm = self.norm(tensors)
+        return self.relative_scale * norm, norm, self.GAUGE
+
+    def _rule_radius(self, tensors: Sequence[torch.Tensor], where: str,
+                     draws: Sequence[Sequence[torch.Tensor]] = ()) -> float:
+        """The rule's radius for one ball. A ball that starts at zero (no multiple of its norm is a ball) takes the
+        mean of the rule over ``draws`` (the same ball in draws of its module's initialisation, see
+        :func:`init_draws`), and where those are zero too (a normalisation layer's shift) or there are none,
+        the rule on a stand-in of unit L2 norm: every entry 1/sqrt(n), n the ball's elements."""
+        value, norm, what = self._rule_value(tensors)
+        if norm == 0:
+            values = [self._rule_value(draw)[0] for draw in draws]
+            if values and all(v > 0 and math.isfinite(v) for v in values):
+                return sum(values) / len(values)
+            n = sum(t.numel() for t in tensors)
+            value, norm, what = self._rule_value([torch.full((n,), 1.0 / math.sqrt(max(n, 1)), dtype=torch.float64)])
         if not norm > 0 or not math.isfinite(norm) or not value > 0 or not math.isfinite(value):
             raise ValueError(f"{type(self).__name__}.{self.rule if self.rule != 'init_diameter' else 'from_init_diameter'}"
-                             f" cannot set a radius from {where}: its initial {what} is {norm}; initialise it to "
-                             f"non-zero values, or give it a param group of its own with an explicit radius, e.g. "
+                             f" cannot set a radius from {where}: its initial {what} is {norm}; give it a finite "
+                             f"initialisation, or a param group of its own with an explicit radius, e.g. "
                              f"{{'params': [...], 'constraint': fgfw.{type(self).__name__}(radius=1.0)}}")
         return value
 
     def resolve_radii(self, params: Sequence[torch.Tensor]) -> list:
-        """The radii: one per tensor ("tensor"), one for the group ("global"), a list per tensor ("row")."""
+        """The radii: one per tensor ("tensor"), one for the group ("global"), a list per tensor ("row").
+
+        Rules (``relative_to_init``, ``from_init_diameter``) are taken from each ball's initial values; a ball
+        that is all zero takes the rule on draws of its module's initialisation (``reset_parameters``, where
+        the module is registered: the optimizers given a model, and :func:`fgfw.param_groups`, register it),
+        else on the unit-L2 stand-in of :meth:`_rule_radius`. So a BatchNorm or LayerNorm shift (zero, and
+        zero again after a reset) gets the stand-in's radius (``relative_to_init(s)``: ``s sqrt(n)`` for the L1
+        ball, ``s`` for L2, ``s / sqrt(n)`` for L-infinity), its gain (ones) the rule on the ones, and a
+        Linear's zeroed bias the rule on its U(-1/sqrt(fan_in), 1/sqrt(fan_in)) draws."""
         if self.scope == "row":
             if self.radius is not None:
                 return [[self.radius] * len(self.rows(p)) for p in params]
-            return [[self._rule_radius([row], f"row {j} of parameter {i} (shape {tuple(p.shape)})")
-                     for j, row in enumerate(self.rows(p))] for i, p in enumerate(params)]
+            out = []
+            for i, p in enumerate(params):
+                rows = self.rows(p)
+                draws = init_draws(p) if any(not bool(row.any()) for row in rows) else []
+                out.append([self._rule_radius([row], f"row {j} of parameter {i} (shape {tuple(p.shape)})",
+                                              [[self.rows(d)[j]] for d in draws])
+                            for j, row in enumerate(rows)])
+            return out
         if self.radius is not None:
             return [self.radius] if self.global_ball else [self.radius] * len(params)
         if self.global_ball:
             return [self._rule_radius(list(params), "the group's parameters")]
-        return [self._rule_radius([p], f"parameter {i} (shape {tuple(p.shape)})") for i, p in enumerate(params)]
+        return [self._rule_radius([p], f"parameter {i} (shape {tuple(p.shape)})",
+                                  [[d] for d in init_draws(p)] if not bool(p.detach().any()) else [])
+                for i, p in enumerate(params)]
 
     def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
         """Moves an infeasible start into the set (with a warning beyond rounding); feasible parameters are
@@ -487,13 +575,11 @@ class Simplex(Constraint):
         x = x.detach().reshape(-1).double()
         return bool(x.numel() == 0 or (float(x.min()) >= 0 and abs(float(x.sum()) - radius) <= radius * rtol))
 
-    def _rule_radius(self, tensors, where: str) -> float:
+    def _rule_value(self, tensors) -> tuple[float, float, str]:
         if self.rule == "relative_to_init":  # the sum of |theta|: the gauge of the nearest non-negative point
             norm = sum(float(t.detach().double().abs().sum()) for t in tensors)
-            if not norm > 0 or not math.isfinite(norm):
-                return super()._rule_radius(tensors, where)  # raises, naming the parameter
-            return self.relative_scale * norm
-        return super()._rule_radius(tensors, where)
+            return self.relative_scale * norm, norm, "sum of |theta|"
+        return super()._rule_value(tensors)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         s = torch.zeros_like(d)

@@ -159,6 +159,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
                             f"got {type(constraint).__name__}")
+        if isinstance(params, nn.Module):
+            # a model: its trainable parameters, its modules known to the radius rules (zero-initialised balls)
+            constraints.register_modules(params)
+            params = [p for p in params.parameters() if p.requires_grad]
         # k of the last step taken (the next step is k + 1): a tensor advanced in place on the device of the
         # first parameter, so that a torch.compile'd step reads and advances it inside one graph (a Python
         # int would be specialised, one compilation per k), the kernels read it where it lies (no host
@@ -682,9 +686,12 @@ class FrankWolfe(_FrankWolfeBase):
     Used like any torch optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
 
     Args:
-        params: parameters or param groups (all parameters of a group on one device). Frozen ones
-            (``requires_grad=False``) are left out with a warning, so ``model.parameters()`` of a model
-            with frozen layers leaves those layers alone (not even rescaled into the ball).
+        params: parameters or param groups (all parameters of a group on one device), or a model (an
+            ``nn.Module``: its trainable parameters, in one group). Frozen ones (``requires_grad=False``) are
+            left out with a warning, so ``model.parameters()`` of a model with frozen layers leaves those
+            layers alone (not even rescaled into the ball). Given a model (or groups from
+            :func:`fgfw.param_groups`), the radius rules draw a zero-initialised tensor's radius from its
+            module's initialisation (:meth:`Constraint.resolve_radii`).
         constraint: the feasible set, e.g. ``fgfw.L1Ball(radius=...)``.
         step_size: alpha_k (schedule name, constant or callable; default ``"2/(k+2)"``; a callable is not
             saved by ``state_dict``, see :meth:`state_dict`).
@@ -708,9 +715,9 @@ class FrankWolfe(_FrankWolfeBase):
     ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor).
     """
 
-    def __init__(self, params: Iterable, *, constraint: Constraint, step_size: schedules.Schedule = "2/(k+2)",
-                 momentum: float | None = None, rescale: str | None = None, backend: str | None = None,
-                 check_finite: bool = True):
+    def __init__(self, params: Iterable | nn.Module, *, constraint: Constraint,
+                 step_size: schedules.Schedule = "2/(k+2)", momentum: float | None = None, rescale: str | None = None,
+                 backend: str | None = None, check_finite: bool = True):
         super().__init__(params, dict(step_size=step_size, momentum=momentum), constraint=constraint,
                          backend=backend, check_finite=check_finite, rescale=rescale)
 
@@ -804,6 +811,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.check_replicas_every = check_replicas_every
         if params is None:
             params = [p for p in module.parameters() if p.requires_grad]
+        constraints.register_modules(module)  # for the radius rules of zero-initialised balls
         params, tensors = _param_tensors(params)
         if group is not None and tensors:
             # the replicas start from the group's first rank's parameters (before radii are resolved from
@@ -828,7 +836,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                     raise ValueError(f"params must be parameters of module; got a tensor of shape {tuple(p.shape)} "
                                      f"that module does not own (the JVP can only perturb the module's parameters)")
         if estimator == "activity":
-            activity.linear_owners(module, [p for g in self.param_groups for p in g["params"]])
+            activity.perturbed_layers(module, [p for g in self.param_groups for p in g["params"]])
 
     _uses_tangent_stream = True
 
@@ -855,8 +863,8 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if estimator != "activity" and self.recompute_inputs:
             raise ValueError(f"state_dict's estimator is {estimator!r}, but this optimizer was built with "
                              f"recompute_inputs=True, which applies to estimator='activity' only")
-        if estimator == "activity":  # every parameter must belong to an nn.Linear (raises ValueError naming it)
-            activity.linear_owners(self.module, [p for g in self.param_groups for p in g["params"]])
+        if estimator == "activity":  # every parameter must be held by a module (raises ValueError naming it)
+            activity.perturbed_layers(self.module, [p for g in self.param_groups for p in g["params"]])
 
     def _load_extra_state(self, extra: dict) -> None:
         super()._load_extra_state(extra)
