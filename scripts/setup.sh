@@ -1,15 +1,39 @@
 #!/usr/bin/env bash
 # Set-up from a fresh clone: a venv in .venv with torch 2.14.1, the build and test tools, and fgfw built
-# from source (C++ CPU kernels always; CUDA kernels when nvcc is present). Idempotent.
+# from source (C++ CPU kernels always). Idempotent. One line per phase, with its time.
+#
+# The CUDA kernels are compiled when a GPU is visible (nvidia-smi lists one) or when FGFW_CUDA asks:
+# FGFW_CUDA=ON forces them (an error without nvcc), OFF skips them, AUTO builds them wherever nvcc and a
+# CUDA build of torch are (scripts/test.sh and CI use AUTO, so a CUDA compile error fails CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+phase_start=$(date +%s)
+phase() {  # phase NAME: prints how long the last phase took, then starts the next
+  local now
+  now=$(date +%s)
+  echo "setup: $1 ($((now - phase_start)) s)"
+  phase_start=$now
+}
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+phase "venv ready"
 .venv/bin/python -m pip install -q "torch==2.14.1" numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" \
   pytest hypothesis scikit-learn matplotlib tqdm
+phase "torch and the build and test tools installed"
+if [ -z "${FGFW_CUDA:-}" ]; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    export FGFW_CUDA=AUTO
+  else
+    export FGFW_CUDA=OFF
+    echo "setup: no GPU visible: the CUDA kernels are not built (FGFW_CUDA=ON or AUTO builds them)"
+  fi
+fi
 # --no-build-isolation: build against the torch just installed (an isolated build would install a second
 # torch, 5.5 GB, and could compile against another version than the one that loads the extension)
-.venv/bin/python -m pip install -q --no-build-isolation ${FGFW_EDITABLE:+-e} . 
+.venv/bin/python -m pip install -q --no-build-isolation ${FGFW_EDITABLE:+-e} .
+phase "fgfw built and installed (FGFW_CUDA=$FGFW_CUDA)"

@@ -2,7 +2,10 @@
 # The test command: set up (venv, torch==2.14.1, build) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the CUDA kernels are compiled wherever nvcc is, GPU or not, so that a CUDA compile error fails the tests
+export FGFW_CUDA=${FGFW_CUDA:-AUTO}
 bash scripts/setup.sh
+started=$(date +%s)
 # setup.sh has just built fgfw._C: the session fails (tests/conftest.py) if it does not import, instead
 # of skipping the kernel tests and running the optimizers on the reference backend.
 export FGFW_REQUIRE_EXTENSION=1
@@ -21,4 +24,7 @@ fi
 export FGFW_REQUIRE_CUDA_KERNELS
 echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_KERNELS=$FGFW_REQUIRE_CUDA_KERNELS"
 # The sources live under python/, so `import fgfw` here is the installed package with its compiled _C.
-.venv/bin/python -m pytest -q -ra tests "$@"
+status=0
+.venv/bin/python -m pytest -q -ra tests "$@" || status=$?
+echo "test.sh: tests ($(($(date +%s) - started)) s), exit $status"
+exit $status

@@ -305,3 +305,11 @@ def test_usage_errors_from_the_command_line_are_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("fgfw reproduce: error: argument --batch-size: ")
     assert not any("Traceback" in line for line in lines)
+
+
+def test_version_prints_the_package_version(capsys):
+    import fgfw
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fgfw {fgfw.__version__}"

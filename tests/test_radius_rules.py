@@ -145,3 +145,15 @@ def test_param_groups_register_the_modules_for_the_radius_rules():
     # (sqrt(40) = 6.3)
     assert opt.param_groups[1]["radii"][0] == pytest.approx(5.0, rel=0.15)
     assert np.isfinite(opt.param_groups[1]["radii"][0])
+
+
+def test_relative_to_init_below_one_shrinks_without_a_warning():
+    import warnings
+    layer = nn.Linear(6, 4)
+    weight = layer.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the shrink is what scale < 1 asks for, not a mistake to warn about
+        fgfw.FrankWolfe([layer.weight], constraint=fgfw.L1Ball.relative_to_init(0.5))
+    assert float(layer.weight.detach().abs().sum()) <= 0.5 * float(weight.abs().sum()) * (1 + 1e-6)
+    with pytest.warns(UserWarning, match="rescaled"):  # an explicit radius below the start still warns
+        fgfw.FrankWolfe([nn.Linear(6, 4).weight], constraint=fgfw.L1Ball(radius=0.01))

@@ -431,6 +431,8 @@ def _missing_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fgfw", description=__doc__)
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"fgfw {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo_parser(sub)
     _add_reproduce_parser(sub)

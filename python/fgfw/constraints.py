@@ -372,9 +372,14 @@ class Constraint:
                 continue
             before = self.norm(tensors)
             self.shrink_into_(tensors, r)
-            # an excess within rounding (e.g. a radius set from these very weights) is removed silently
-            if excess > 1e-6:
+            # an excess within rounding (e.g. a radius set from these very weights) is removed silently, and so
+            # is the shrink that relative_to_init(scale < 1) asks for
+            if excess > 1e-6 and not self._shrinks_by_rule():
                 warnings.warn(self._moved_message(before, r, tensors), stacklevel=_user_stacklevel())
+
+    def _shrinks_by_rule(self) -> bool:
+        """Whether the radius rule itself puts the initial point outside the ball: relative_to_init(scale < 1)."""
+        return self.radius is None and self.rule == "relative_to_init" and self.relative_scale < 1
 
     def _moved_message(self, before: float, radius: float, tensors) -> str:
         return (f"initial parameters have {self.GAUGE} {before:.6g} > radius {radius:.6g}: rescaled into the "
