@@ -518,9 +518,11 @@ def _gauge(kind: str, x: torch.Tensor) -> float:
     raise AssertionError(kind)
 
 
-def _init_params(seed=0, dtype=F64):
+def _init_params(seed=0, dtype=F64, matrices_only=False):
+    """Three tensors; ``matrices_only``: without the vector (the matrix sets refuse one-dimensional tensors)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g, dtype=dtype) for s in [(4, 3), (5,), (2, 3, 2)]]
+    params = [torch.randn(s, generator=g, dtype=dtype) for s in [(4, 3), (5,), (2, 3, 2)]]
+    return [p for p in params if p.dim() >= 2] if matrices_only else params
 
 
 def _scopes(kind):
@@ -531,7 +533,7 @@ def _scopes(kind):
 def test_relative_to_init_is_scale_times_the_gauge(kind):
     cls, kw = CLASSES[kind]
     for scope in _scopes(kind):
-        params = _init_params()
+        params = _init_params(matrices_only=kind == "nuclear")
         c = cls.relative_to_init(1.7, scope=scope, **kw)
         radii = c.resolve_radii(params)
         if scope == "tensor":
@@ -556,7 +558,7 @@ def test_relative_to_init_is_scale_times_the_gauge(kind):
 def test_from_init_diameter_matches_twice_scale_times_the_initial_l2_norm(kind):
     cls, kw = CLASSES[kind]
     for scope in _scopes(kind):
-        params = _init_params(seed=1)
+        params = _init_params(seed=1, matrices_only=kind == "nuclear")
         c = cls.from_init_diameter(0.6, scope=scope, **kw)
         radii = c.resolve_radii(params)
         if scope == "tensor":
@@ -655,7 +657,8 @@ def test_from_init_diameter_of_a_single_element_ball(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_an_infeasible_start_is_moved_into_the_set_with_a_warning(kind, dtype):
     for scope in _scopes(kind):
-        params = [p * 5 for p in _init_params(seed=2, dtype=dtype)]  # far outside radius 1, with negatives
+        # far outside radius 1, with negatives
+        params = [p * 5 for p in _init_params(seed=2, dtype=dtype, matrices_only=kind == "nuclear")]
         c = SETS[kind](1.0, scope)
         with pytest.warns(UserWarning):
             fgfw.FrankWolfe([p.requires_grad_() for p in params], constraint=c)
@@ -727,7 +730,7 @@ ROUND_TRIP = [
 def test_state_dict_round_trip_keeps_the_constraint(c):
     assert constraints.from_dict(c.to_dict()).to_dict() == c.to_dict()
     assert type(constraints.from_dict(c.to_dict())) is type(c)
-    params = [nn.Parameter(p) for p in _init_params(seed=6)[:2]]
+    params = [nn.Parameter(p) for p in _init_params(seed=6, matrices_only=isinstance(c, constraints._MatrixSet))[:2]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # starts outside the smaller balls are moved in
         opt = fgfw.FrankWolfe(params, constraint=c, momentum=0.5)
@@ -810,10 +813,11 @@ def test_afgfw_keeps_every_parameter_in_its_set(kind, scope):
     cls, kw = CLASSES[kind]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the start is moved into the smaller balls
-        opt = fgfw.AFGFW(model, constraint=cls.relative_to_init(0.6, scope=scope, **kw), step_size=0.02,
+        # a matrix set takes the weights (it refuses the biases)
+        params = [p for p in model.parameters() if kind != "nuclear" or p.dim() >= 2]
+        opt = fgfw.AFGFW(model, params=params, constraint=cls.relative_to_init(0.6, scope=scope, **kw), step_size=0.02,
                          averaging_weight=0.5, seed=1, num_tangents=2)
     radii = opt.param_groups[0]["radii"]
-    params = list(model.parameters())
     x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
 
     def balls():

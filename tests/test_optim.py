@@ -413,8 +413,11 @@ def test_other_sets_draw_their_tangents_with_the_backend_and_match_the_reference
         model = mlp()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a start outside the set is moved into it
-            opt = fgfw.AFGFW(model, constraint=constraint, step_size=0.1, averaging_weight=0.5, seed=3,
-                             tangent="rademacher", num_tangents=2, backend=backend)
+            # a matrix set takes the weights, the biases a set that steps bit for bit too
+            groups = (fgfw.param_groups(model, weights=constraint, biases=fgfw.LInfBall(radius=0.2))
+                      if isinstance(constraint, fgfw.constraints._MatrixSet) else None)
+            opt = fgfw.AFGFW(model, params=groups, constraint=constraint, step_size=0.1, averaging_weight=0.5,
+                             seed=3, tangent="rademacher", num_tangents=2, backend=backend)
         for _ in range(3):
             opt.step(lambda: F.cross_entropy(model(x), y))
         runs.append(([p.detach().clone() for p in model.parameters()], float(opt.last_gap)))

@@ -44,7 +44,7 @@ from . import reference
 SCOPES = ("tensor", "global", "row")
 KIND_L1_BALL = "l1_ball"
 # how radius-less balls get their radii from the initial parameters (see _Ball.resolve_radii)
-RULES = ("relative_to_init", "init_diameter")
+RULES = ("relative_to_init", "init_diameter", "operator_norm")
 
 
 def _user_stacklevel() -> int:
@@ -211,6 +211,8 @@ class Constraint:
             size = f"radius={self.radius}"
         elif self.rule == "init_diameter":
             size = f"from_init_diameter={self.relative_scale}"
+        elif self.rule == "operator_norm":
+            size = f"operator_norm={self.relative_scale}"
         else:
             size = f"relative_to_init={self.relative_scale}"
         return f"{type(self).__name__}({self._params_repr()}{size}, scope={self.scope!r})"
@@ -699,6 +701,14 @@ class _MatrixSet(Constraint):
     def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
         return self.gauge(x.detach().double(), tuple(x.shape)) <= radius * (1 + rtol)
 
+    def resolve_radii(self, params: Sequence[torch.Tensor]) -> list:
+        for i, p in enumerate(params):
+            if p.dim() < 2:
+                raise ValueError(f"a {self.NAME} is a set of matrices, but parameter {i} has shape {tuple(p.shape)} "
+                                 f"(a bias or a normalisation gain?): give it a param group with another set, or "
+                                 f"none (fgfw.param_groups(model, weights={type(self).__name__}(...)) does)")
+        return super().resolve_radii(params)
+
 
 class NuclearNormBall(_MatrixSet):
     """The nuclear-norm ball ``{W : sum of singular values <= r}`` of each weight matrix (low rank): vertex
@@ -814,6 +824,132 @@ class GroupL1Ball(_MatrixSet):
         return 2.0 * radius if math.prod(shape) > 0 else 0.0
 
 
+# Newton-Schulz: the quintic whose coefficients Muon and Scion use (it lifts small singular values fast and
+# leaves them in about [0.7, 1.2]), then cubic steps 1.5 x - 0.5 x^3, which map (0, sqrt 3) into (0, 1] and
+# pull the band up to 1 from below, so that the vertex is feasible (spectral norm <= r up to rounding).
+NEWTON_SCHULZ_QUINTIC = (3.4445, -4.7750, 2.0315)
+NEWTON_SCHULZ_CUBIC = (1.5, -0.5)
+
+
+def polar_factor(d: torch.Tensor, quintic_steps: int = 7, cubic_steps: int = 2) -> torch.Tensor:
+    """An approximation of ``U V^T`` from the reduced SVD ``d = U S V^T`` of each matrix of the batch ``d``
+    (``(..., m, n)``), by Newton-Schulz iterations in ``d``'s dtype (matrix products only).
+
+    ``d`` is first scaled by ``||d d^T||_F^(1/2) = (sum sigma^4)^(1/4) >= sigma_max`` (read off the first
+    step's Gram matrix: no extra product), which leaves the small singular values far less small than the
+    Frobenius scaling Muon uses. Each singular value then follows the scalar map of the steps: with 7
+    quintic and 2 cubic steps, every sigma >= 1e-4 (sum sigma^4)^(1/4) ends in [0.9, 1] (>= 3e-4 of it in
+    [0.97, 1]), smaller ones end between 0 and 0.9, none above 1 but for rounding; a zero singular value
+    picks up at most ~1e-3 of float32 rounding noise. A zero matrix gives zeros (tests/test_spectral.py)."""
+    x = d
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:  # the Gram matrix of the short side
+        x = x.mT
+    a, b, c = NEWTON_SCHULZ_QUINTIC
+    gram = x @ x.mT
+    norm = torch.linalg.matrix_norm(gram)
+    scale = torch.where(norm > 0, norm.sqrt(), 1.0)[..., None, None]  # a zero matrix stays zero
+    x = x / scale
+    gram = gram / (scale * scale)
+    for step in range(quintic_steps):
+        if step:
+            gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    p, q = NEWTON_SCHULZ_CUBIC
+    for _ in range(cubic_steps):
+        x = p * x + q * ((x @ x.mT) @ x)
+    return x.mT if transposed else x
+
+
+class SpectralNormBall(_MatrixSet):
+    """The spectral-norm ball ``{W : sigma_max(W) <= r}`` of each weight matrix (the operator 2-norm; a tensor
+    of more than two dimensions is taken as ``(shape[0], -1)``, a vector as one row): vertex ``-r U V^T``, the
+    polar factor of the direction, by Newton-Schulz iterations (:func:`polar_factor`, float32 matrix products
+    on the direction's device) instead of an SVD. This is the set of Scion's hidden layers (Pethick et al.,
+    "Training Deep Learning Models with Norm-Constrained LMOs", 2025): FrankWolfe with momentum on it is
+    their constrained update, and Muon is its unconstrained relative.
+
+    Accuracy (:func:`polar_factor`, tests/test_spectral.py): the vertex's singular values are at most r (up to
+    float32 rounding), so the vertex is in the ball, and lie in [0.9, 1] times r for every singular value of
+    d at or above 1e-4 ``(sum sigma^4)^(1/4)`` (about 1/3000 of sigma_max for a square Gaussian matrix; the
+    smallest singular values of such a matrix can be smaller still, and move only partway); ``<d, s>`` was
+    within 3 % of ``-r ||d||_nuclear`` on every test direction. The stored iterate's spectral norm stays <= r
+    up to float32 rounding. The gap is reported at this vertex: it is below the exact
+    Frank-Wolfe gap by at most ``r (||d||_nuclear + <d, s> / r)``. Radii: :meth:`operator_norm`
+    (``r = scale sqrt(fan_out / fan_in)``, Scion's), or the rules of every set. Scope "tensor" only.
+    """
+
+    KIND, NAME, GAUGE = "spectral_norm_ball", "spectral-norm ball", "spectral norm"
+    PARAMS = ("quintic_steps", "cubic_steps")
+
+    def __init__(self, radius: float | None = None, *, scope: str = "tensor", quintic_steps: int = 7,
+                 cubic_steps: int = 2, **kw):
+        for name, value in (("quintic_steps", quintic_steps), ("cubic_steps", cubic_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if cubic_steps < 1:
+            raise ValueError(f"cubic_steps must be >= 1 (the cubic steps keep the vertex in the ball), got "
+                             f"{cubic_steps!r}")
+        self.quintic_steps, self.cubic_steps = quintic_steps, cubic_steps
+        super().__init__(radius, scope=scope, **kw)
+
+    @classmethod
+    def operator_norm(cls, scale: float = 1.0, **params) -> "SpectralNormBall":
+        """Radius ``scale * sqrt(fan_out / fan_in)`` for a ``(fan_out, fan_in, ...)`` weight (``fan_in`` the
+        product of the other dimensions): the RMS-to-RMS operator-norm rule of Scion and Muon."""
+        return cls(None, _relative_scale=scale, _rule="operator_norm", **params)
+
+    def _rule_value(self, tensors) -> tuple[float, float, str]:
+        if self.rule == "operator_norm":
+            (t,) = tensors
+            m = self._matrix(t, tuple(t.shape))
+            return self.relative_scale * math.sqrt(m.shape[0] / max(m.shape[1], 1)), 1.0, "shape"
+        return super()._rule_value(tensors)
+
+    def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
+        if not x.numel():
+            return 0.0
+        return float(torch.linalg.matrix_norm(self._matrix(x.double(), shape or tuple(x.shape)), ord=2))
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        m = self._matrix(_unit_max(d), shape).float()  # scaled first: no overflow in the products
+        if not m.numel():
+            return torch.zeros_like(d)
+        s = polar_factor(m, self.quintic_steps, self.cubic_steps)
+        return (-radius * s.double()).reshape(-1).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        # the vertices -r U V^T have Frobenius norm r sqrt(rank), at most r sqrt(min(m, n))
+        m = self._matrix(torch.empty(shape, device="meta"), shape)
+        return 2.0 * radius * math.sqrt(min(m.shape)) if m.numel() else 0.0
+
+
+class ColumnNormBall(_MatrixSet):
+    """Every column of each weight matrix in an L2 ball: ``{W : ||W[:, j]||_2 <= r for all j}`` (a tensor of more
+    than two dimensions taken as ``(shape[0], -1)``): the set of Scion's input layers (its "ColNorm"). Vertex
+    ``-r d[:, j] / ||d[:, j]||_2`` for every column (0 for a zero column), in closed form. The row-wise set
+    (Scion's "RowNorm", for output layers) is :class:`L2Ball` with ``scope="row"``, which has fused kernels.
+    Scope "tensor" only.
+    """
+
+    KIND, NAME, GAUGE = "column_norm_ball", "column-norm ball", "largest column L2 norm"
+
+    def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
+        if not x.numel():
+            return 0.0
+        return float(torch.linalg.vector_norm(self._matrix(x.double(), shape or tuple(x.shape)), dim=0).max())
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        m = self._matrix(_unit_max(d), shape)  # scaled first: the column norms neither underflow nor overflow
+        norms = torch.linalg.vector_norm(m, dim=0, keepdim=True)
+        s = torch.where(norms > 0, -radius * m / torch.where(norms > 0, norms, 1.0), 0.0)
+        return s.reshape(-1).to(d.dtype)
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        m = self._matrix(torch.empty(shape, device="meta"), shape)
+        return 2.0 * radius * math.sqrt(m.shape[1]) if m.numel() else 0.0
+
+
 def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
     """The Euclidean projection of the flat tensor x onto ``{y >= 0, sum y = r}`` (sort and threshold)."""
     if not x.numel():
@@ -828,7 +964,8 @@ def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
 
 # kind (to_dict's tag) -> set, for from_dict
 SETS: dict[str, type[Constraint]] = {c.KIND: c for c in (L1Ball, L2Ball, LInfBall, LpBall, KSparsePolytope, Simplex,
-                                                         NonnegativeL1Ball, NuclearNormBall, GroupL1Ball)}
+                                                         NonnegativeL1Ball, NuclearNormBall, GroupL1Ball,
+                                                         SpectralNormBall, ColumnNormBall)}
 
 
 def from_dict(spec: object) -> Constraint:
