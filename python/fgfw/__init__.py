@@ -10,7 +10,7 @@ import torch  # noqa: F401  (the compiled extension links against torch's librar
 from . import _ops, distributed, reference
 from ._ops import available_backends, resolve_backend
 from .constraints import (ColumnNormBall, Constraint, GroupL1Ball, KSparsePolytope, L1Ball, L2Ball, LInfBall, LpBall,
-                          NonnegativeL1Ball, NuclearNormBall, Simplex, SpectralNormBall)
+                          NonnegativeL1Ball, NuclearNormBall, Simplex, SpectralNormBall, Unconstrained)
 from .groups import param_groups
 from .optim import AFGFW, FGFW, FrankWolfe
 
@@ -20,5 +20,5 @@ HAS_COMPILED_EXTENSION = _ops._compiled_extension()
 
 __version__ = "0.1.0"
 __all__ = ["AFGFW", "FGFW", "FrankWolfe", "ColumnNormBall", "Constraint", "GroupL1Ball", "KSparsePolytope", "L1Ball", "L2Ball", "LInfBall", "LpBall",
-           "NonnegativeL1Ball", "NuclearNormBall", "Simplex", "SpectralNormBall", "available_backends", "param_groups",
+           "NonnegativeL1Ball", "NuclearNormBall", "Simplex", "SpectralNormBall", "Unconstrained", "available_backends", "param_groups",
            "resolve_backend", "reference"]

@@ -950,6 +950,43 @@ class ColumnNormBall(_MatrixSet):
         return 2.0 * radius * math.sqrt(m.shape[1]) if m.numel() else 0.0
 
 
+class Unconstrained(Constraint):
+    """No set: the param group's parameters take a plain gradient step ``theta <- theta - alpha_k d`` with the
+    group's step size and direction (its momentum for FrankWolfe, the forward-gradient estimate for FGFW and
+    AFGFW; :func:`fgfw.reference.gradient_step_` is its spec). ``constraint=None`` in a param group means
+    this. For parameters a set would only hurt, such as normalisation gains: give the group a step size
+    that suits a gradient step (a learning rate), not Frank-Wolfe's default ``2/(k+2)``.
+    """
+
+    KIND, NAME, GAUGE = "unconstrained", "unconstrained group", "none"
+    ALLOWED_SCOPES = ("tensor",)
+
+    def __init__(self, radius: float | None = None, *, scope: str = "tensor", **kw):
+        # no radius: the 1.0 stored is a placeholder the step never reads
+        super().__init__(1.0 if radius is None else radius, scope=scope, **kw)
+
+    def __repr__(self) -> str:
+        return "Unconstrained()"
+
+    def gauge(self, x: torch.Tensor) -> float:
+        return 0.0
+
+    def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
+        return True
+
+    def resolve_radii(self, params: Sequence[torch.Tensor]) -> list:
+        return [1.0] * len(params)
+
+    def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
+        return None
+
+    def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
+        raise TypeError("an unconstrained group has no vertex: it takes a gradient step (reference.gradient_step_)")
+
+    def l2_diameter(self, shape: tuple[int, ...], radius: float) -> float:
+        return math.inf
+
+
 def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
     """The Euclidean projection of the flat tensor x onto ``{y >= 0, sum y = r}`` (sort and threshold)."""
     if not x.numel():
@@ -965,7 +1002,7 @@ def project_simplex(x: torch.Tensor, radius: float) -> torch.Tensor:
 # kind (to_dict's tag) -> set, for from_dict
 SETS: dict[str, type[Constraint]] = {c.KIND: c for c in (L1Ball, L2Ball, LInfBall, LpBall, KSparsePolytope, Simplex,
                                                          NonnegativeL1Ball, NuclearNormBall, GroupL1Ball,
-                                                         SpectralNormBall, ColumnNormBall)}
+                                                         SpectralNormBall, ColumnNormBall, Unconstrained)}
 
 
 def from_dict(spec: object) -> Constraint:

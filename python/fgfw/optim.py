@@ -89,6 +89,21 @@ def _check_radii(constraint: Constraint, params: list[torch.Tensor], radii: obje
         numbers(radii, len(params), "radii (one per tensor)")
 
 
+def _gradient_step(call: "_Call", grads: list[torch.Tensor], schedule: torch.Tensor) -> None:
+    """reference.gradient_step_ for an unconstrained call, in device ops that read nothing on the host (so a
+    compiled or captured step keeps it whole), with the reference's roundings: tests/test_unconstrained.py."""
+    alpha = schedule[1].to(call.dtype)
+    gamma = schedule[2].to(call.dtype)
+    for t, (theta, g) in enumerate(zip(call.targets, grads)):
+        d = g.reshape(-1).to(call.dtype)
+        if call.moms:
+            v = call.moms[t].view(-1)
+            v.copy_((1 - gamma) * v + gamma * d)
+            d = v
+        flat = theta.view(-1)
+        flat.copy_(flat.to(call.dtype) - alpha * d)
+
+
 # Parameter dtypes stepped through a float32 master copy (see _FrankWolfeBase._master).
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -156,9 +171,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, constraint: Constraint, backend: str | None, check_finite: bool,
                  rescale: str | None = None):
+        if constraint is None:  # the default group is unconstrained: a gradient step
+            constraint = constraints.Unconstrained()
         if not isinstance(constraint, Constraint):
-            raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
-                            f"got {type(constraint).__name__}")
+            raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), or None "
+                            f"(unconstrained), got {type(constraint).__name__}")
         if isinstance(params, nn.Module):
             # a model: its trainable parameters, its modules known to the radius rules (zero-initialised balls)
             constraints.register_modules(params)
@@ -232,10 +249,15 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         group = dict(param_group, params=params)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
+        if group["constraint"] is None:  # an unconstrained group: a gradient step (constraints.Unconstrained)
+            group["constraint"] = constraints.Unconstrained()
         constraint = group["constraint"]
         if not isinstance(constraint, Constraint):
-            raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), got "
-                            f"{type(constraint).__name__}")
+            raise TypeError(f"constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), or None "
+                            f"(unconstrained), got {type(constraint).__name__}")
+        if isinstance(constraint, constraints.Unconstrained) and group["rescale"] is not None:
+            raise ValueError(f"rescale={group['rescale']!r} scales a Frank-Wolfe step; an unconstrained group takes "
+                             f"a gradient step: leave rescale=None for it")
         if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
             raise ValueError(f"a {type(constraint).__name__} with scope='global' cannot mix float64 with other params (one compute dtype "
                              f"per ball), got {sorted(map(str, {p.dtype for p in params}))}; split them into groups")
@@ -649,6 +671,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
                                   schedule[c], coeffs_on[device], call.radii, call.global_ball, call.starts, seed,
                                   distribution, gap, call.backend, call.row_numel, call.fused_set[1])
+            elif isinstance(call.constraint, constraints.Unconstrained):
+                call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
+                                                                                         seed, distribution)
+                _gradient_step(call, call_grads, schedule[c])
+                gap.zero_()  # no vertex: no share of the Frank-Wolfe gap
             elif call.constraint is not None:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)

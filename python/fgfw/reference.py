@@ -477,3 +477,18 @@ def l1_lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
         i = int(torch.argmax(flat.abs()))
         s.view(-1)[i] = -radius * torch.sign(flat[i])
     return s
+
+
+def gradient_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   schedule: torch.Tensor, tangent_coeffs: torch.Tensor, offsets: Sequence[int], seed: int,
+                   distribution: int) -> None:
+    """The step of an unconstrained param group (``constraint=None``), in place: the direction d of
+    :func:`l1_fw_step_` (the gradient or forward-gradient estimate, through the momentum when there is one),
+    then ``theta <- theta - alpha_k d`` in the compute dtype: (stochastic) gradient descent with the group's
+    step size as its learning rate. It has no vertex and adds nothing to the Frank-Wolfe gap."""
+    alpha, _, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, [1.0] * len(params), False,
+                                       offsets, seed, distribution, ())
+    for p, d in zip(params, directions):
+        cdt = compute_dtype(p.dtype)
+        theta = p.reshape(-1).to(cdt)
+        p.copy_((theta - torch.tensor(alpha, dtype=cdt) * d).reshape(p.shape).to(p.dtype))
