@@ -116,19 +116,22 @@ class Attention(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Embedding, LayerNorm, a convolution over the sequence and a tied output layer: layers other than
-    nn.Linear, and a weight held by two modules."""
+    """Embedding, a position embedding shared by the batch (output of batch 1, broadcast as GPT-2's is),
+    LayerNorm, a convolution over the sequence and a tied output layer: layers other than nn.Linear, and a
+    weight held by two modules."""
 
     def __init__(self, vocab=11, width=6):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(16, width)
         self.norm = nn.LayerNorm(width)
         self.conv = nn.Conv1d(width, width, 3, padding=1)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, tokens):  # (N, L) -> (N, vocab)
-        h = self.norm(self.embed(tokens))
+        positions = torch.arange(tokens.shape[1])[None]
+        h = self.norm(self.embed(tokens) + self.position(positions))
         h = torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
         return self.head(h).mean(1)
 
@@ -140,33 +143,32 @@ def cnn(batchnorm_training: bool):
     return model.train(batchnorm_training)
 
 
-def layer_estimate(model, x, y, num_tangents):
-    """The estimate from autograd alone: per-example deltas dL_b/dz of every layer output (one backward), the
-    tangents from the stream, then each layer's (dz/dtheta)^T dz_hat by autograd through that layer only
-    (its inputs detached) on a copy of the model."""
+def layer_estimate(model, x, y, num_tangents, coupled=False):
+    """The estimate from autograd alone: each example's deltas dL_b/dz of every layer output (one backward per
+    example), the tangents from the stream, c_b = sum_l <dL_b/dz_l, u_l>, then each layer's (dz/dtheta)^T dz_hat
+    by autograd through that layer only (its inputs detached) on a copy of the model. dz_hat of a batch-first
+    output takes example b's c_b at row b; of an output shared by the batch (batch 1), the sum of c_b.
+    ``coupled``: every example takes the batch's sum of c_b (the estimator's rule when a layer mixes examples)."""
     deltas_model, local_model = copy.deepcopy(model), copy.deepcopy(model)
     layers = [m for m in deltas_model.modules() if next(m.parameters(recurse=False), None) is not None]
     outs = []
-
-    def keep(layer, args, out):
-        out.retain_grad()
-        outs.append(out)
-
-    handles = [m.register_forward_hook(keep) for m in layers]
+    handles = [m.register_forward_hook(lambda layer, args, out: outs.append(out)) for m in layers]
     losses = F.cross_entropy(deltas_model(x), y, reduction="none")
-    losses.sum().backward()
     for h in handles:
         h.remove()
     n = len(y)
+    deltas = [torch.autograd.grad(losses[b], outs, retain_graph=True, allow_unused=True) for b in range(n)]
     dz_hat = [torch.zeros_like(z) for z in outs]
     for t in range(num_tangents):
         offset, us = 0, []
         for z in outs:
             us.append(stream_tangent(torch.empty_like(z), offset, t))
             offset += -(-z.numel() // 4) * 4
-        c = sum((z.grad * u).reshape(n, -1).sum(1) for z, u in zip(outs, us))
+        c = torch.tensor([sum(float((d * u).sum()) for d, u in zip(per_example, us) if d is not None)
+                          for per_example in deltas], dtype=torch.float64)
         for acc, u in zip(dz_hat, us):
-            acc += c.view(n, *[1] * (u.dim() - 1)) * u / (num_tangents * n)
+            weights = c.sum().view(1) if u.shape[0] == 1 else c.sum().expand(n) if coupled else c
+            acc += weights.view(-1, *[1] * (u.dim() - 1)) * u / (num_tangents * n)
     local_layers = [m for m in local_model.modules() if next(m.parameters(recurse=False), None) is not None]
     local_outs = []
     handles = [m.register_forward_pre_hook(lambda layer, args: tuple(a.detach() for a in args)) for m in local_layers]
@@ -196,22 +198,22 @@ def test_estimate_of_other_layers_is_their_chain_rule(in_one_pass):
             torch.testing.assert_close(grads[id(p)], expected[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_estimate_is_unbiased_with_batchnorm_in_train_mode():
-    """BatchNorm in train mode couples the examples: the estimate takes the batch's directional derivative for
-    every example and stays unbiased (the per-example form would miss the other examples' share)."""
+def test_batchnorm_in_train_mode_takes_the_batchs_directional_derivative():
+    """BatchNorm in train mode couples the examples: example b's loss moves with every example's activations,
+    so c_b u_b misses the other examples' share of the gradient at b (a bias). The estimator then gives every
+    example the batch's sum of c_b: E[(sum_b' c_b') u_b] = dL/dz_b, unbiased. Checked exactly against the chain
+    rule with that rule (and the per-example rule is not what it computes)."""
     model = cnn(batchnorm_training=True)
     x = torch.randn(4, 2, 6, 6, dtype=torch.double)
     y = torch.arange(4) % 3
     params = list(model.parameters())
-    k = 3000
     _, grads = activity_gradients(model, params, lambda: F.cross_entropy(model(x), y, reduction="none"),
-                                  stream_tangent, k)
-    exact = torch.autograd.grad(F.cross_entropy(model(x), y), params)
-    flat = torch.cat([grads[id(p)].reshape(-1) for p in params])
-    exact = torch.cat([g.reshape(-1) for g in exact])
-    # perturbed activations per example: 3*36 + 3*36 + 2*9 + 3 = 237; the batch's c for each example adds the
-    # other examples' noise (x4)
-    assert float((flat - exact).norm() / exact.norm()) < 4 * (4 * 237 / k) ** 0.5
+                                  stream_tangent, 3)
+    coupled = layer_estimate(model, x, y, 3, coupled=True)
+    per_example = layer_estimate(model, x, y, 3)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[id(p)], coupled[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert any(not torch.allclose(grads[id(p)], per_example[name]) for name, p in model.named_parameters())
 
 
 def mlp_and_batch():

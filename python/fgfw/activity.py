@@ -32,7 +32,9 @@ embeddings, normalisation layers, Hugging Face's ``Conv1D``, ...) takes the same
 vector-Jacobian product of its own forward at the recorded inputs, ``g_hat(theta_l) = (dz_l/dtheta_l)^T
 dz_hat_l`` with ``dz_hat_l = 1/(K N) sum_k c_k u_{k,l}`` (autograd through the layer alone, its buffers
 copied so that a BatchNorm's running statistics move once per step, as in a plain forward).
-The layer's output must be one tensor whose first dimension is the batch of the per-example losses.
+The layer's output must be one tensor whose first dimension is the batch of the per-example losses, or 1
+for an output shared by the whole batch (a position embedding broadcast over it: its tangent moves every
+example's loss, so its share takes the batch's sum of the directional derivatives).
 A model with a layer that mixes the examples of a batch (BatchNorm in train mode) takes the whole batch's
 directional derivative in place of each example's (:func:`couples_examples`): per-example ones would be
 biased there.
@@ -197,14 +199,18 @@ def _add_call_estimate(layer, inputs, meta, offset, c: torch.Tensor, tangent_ids
     ``tangent_ids[r]``, whose values are drawn again from the stream (nothing tangent-sized was kept)."""
     shape, dtype, device = meta
     n = c.shape[1]
-    if len(shape) < 1 or shape[0] != n:
+    if len(shape) < 1 or shape[0] not in (n, 1):
         raise ValueError(f"estimator='activity': a {type(layer).__name__} output of shape {tuple(shape)} does not "
                          f"start with the batch dimension of the {n} per-example losses (batch-first layouts only)")
+    # an output of batch 1 is shared by every example (GPT-2's position embedding, broadcast over the batch):
+    # its tangent perturbs all of them, so its share takes the batch's sum of c
+    shared = shape[0] == 1 and n > 1
     acc = compute_dtype(dtype)  # float32 sums for float16 / bfloat16 layers, as the fused step keeps v
     dz = torch.zeros(shape, dtype=acc, device=device)
     for row, t in enumerate(tangent_ids):
         u = make_tangent(torch.empty(shape, dtype=dtype, device=device), offset, t)
-        dz.addcmul_(c[row].to(acc).view(n, *[1] * (len(shape) - 1)), u.to(acc))
+        c_row = c[row].sum(0, keepdim=True) if shared else c[row]
+        dz.addcmul_(c_row.to(acc).view(shape[0], *[1] * (len(shape) - 1)), u.to(acc))
     dz.div_(num_tangents * n)
     if type(layer) is not nn.Linear:
         for key, g in _layer_vjp(layer, inputs, dz, acc).items():
