@@ -141,3 +141,16 @@ def test_the_sets_round_trip_through_to_dict():
         assert type(again) is type(c) and again.to_dict() == c.to_dict()
     with pytest.raises(ValueError, match="cubic_steps must be >= 1"):
         fgfw.SpectralNormBall(radius=1.0, cubic_steps=0)
+
+
+def test_the_char_gpt_example_trains(capsys):
+    """examples/train_char_gpt.py (docs/transformers.md's recipe) runs and reports a finite validation loss."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_char_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_char_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "2"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("step     2") and math.isfinite(float(line.split("val loss")[1].split()[0]))
