@@ -157,6 +157,18 @@ def test_set_steps_compile_whole(fgfw_ops, constraint, compiled_graphs):
     _assert_same_run(got, expected, gap_rel=0)
 
 
+def test_named_schedules_compiled_give_the_host_bits(compiled_graphs):
+    """A compiled step evaluates the named schedules on its float64 counter (Inductor's own sqrt, divisions
+    and selects): the same bits as the host's evaluation of the CPU step, also at the k where torch's eager
+    float64 CPU sqrt is one ulp off on some machines (51, 78, 107, ...)."""
+    names = sorted(fgfw.schedules.NAMED)
+    evaluate = torch.compile(lambda k: torch.stack([fgfw.schedules.NAMED[name](k) for name in names]), fullgraph=True)
+    for k in [1, 2, 3, 51, 78, 107, 149, 170, 1000, 123457, 2**31 + 11, 2**52 - 1]:
+        got = evaluate(torch.tensor(float(k), dtype=torch.float64)).tolist()
+        assert got == [fgfw.schedules.evaluate(name, k, "step_size") for name in names], k
+    assert compiled_graphs() == 1
+
+
 @pytest.mark.parametrize("tangent", ["rademacher", "gaussian"])
 def test_triton_trajectory_equals_the_reference(tangent):
     _require("triton", TRITON_DEVICE)

@@ -554,8 +554,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
         On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
         GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
-        no host-to-device copy nor synchronisation, so that a step can be captured. On the CPU both give the
-        same bits: the named schedules are correctly rounded (+, /, sqrt) or use libm's pow either way."""
+        no host-to-device copy nor synchronisation, so that a step can be captured. Both give the same bits, on
+        any machine: a named schedule is the same sequence of IEEE operations either way (fgfw.schedules)."""
         host_k = int(k) if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
         device_k = None
         made: dict[tuple, torch.Tensor] = {}
