@@ -274,6 +274,37 @@ def test_only_frozen_parameters_is_an_error():
         fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=10.0))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("make", ["fw_groups", "afgfw_module", "add_param_group"])
+def test_a_non_finite_start_is_refused_naming_the_parameter(bad, make):
+    """A start holding NaN or inf raises ValueError naming the parameter, with nothing changed: not even a group
+    before it that its ball would rescale. Before, rescaling it into the ball made a NaN start all-NaN and an
+    inf start [nan, 0, 0], with only a "rescaled into the ball" warning."""
+    model = mlp()
+    model[2].bias.data[1] = bad
+    before = [p.detach().clone() for p in model.parameters()]
+    ball = fgfw.L1Ball(radius=0.1)  # below every initial norm: a group built before the error would be rescaled
+    if make == "fw_groups":
+        match = r"parameter 1 \(shape \(3,\), dtype torch.float64, device cpu\) of param group 1 holds 1 non-finite"
+        with pytest.raises(ValueError, match=match):
+            fgfw.FrankWolfe([{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}],
+                            constraint=ball)
+    elif make == "afgfw_module":
+        with pytest.raises(ValueError, match=r"parameter '2.bias' \(shape \(3,\)\) of param group 0 holds 1"):
+            fgfw.AFGFW(model, constraint=ball, seed=0)
+    else:
+        first = [p.detach().clone() for p in model[0].parameters()]
+        with pytest.warns(UserWarning, match="rescaled"):
+            opt = fgfw.FrankWolfe(model[0].parameters(), constraint=ball)
+        before[:2] = [p.detach().clone() for p in model[0].parameters()]
+        assert not all(torch.equal(p, q) for p, q in zip(first, before[:2]))
+        with pytest.raises(ValueError, match="param group 1 holds 1 non-finite value"):
+            opt.add_param_group({"params": list(model[2].parameters())})
+        assert len(opt.param_groups) == 1
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q) or (torch.isnan(p).any() and torch.equal(p.isnan(), q.isnan()))
+
+
 # -- 4. state from another model or optimizer ------------------------------------------------------------------------
 def _snapshot(opt, model):
     return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]

@@ -171,6 +171,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
         self._plan_cache: _Plan | None = None  # see _prepared
         defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale)
+        params, _ = _param_tensors(params)
+        # every group's start is checked before any group's is rescaled into its ball
+        groups = [item["params"] for item in params] if params and all(isinstance(i, dict) for i in params) \
+            else [params]
+        for g, members in enumerate(groups):
+            self._check_finite_start(members, g)
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is None and self._frozen_left_out:
@@ -193,6 +199,22 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         """p's name for messages, where the optimizer knows one (the forward-gradient ones know the module)."""
         return None
 
+    def _check_finite_start(self, params: list, group_index: int) -> None:
+        """``ValueError`` naming the first trainable parameter that holds NaN or inf: rescaling it into its ball
+        would spread them (a NaN made the whole tensor NaN, an inf gave [nan, 0, 0]). Frozen parameters are
+        left out of the optimizer, and other bad input gets its own error from add_param_group."""
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or not p.requires_grad or p.layout != torch.strided or p.is_meta \
+                    or not p.is_floating_point():
+                continue
+            bad = int((~torch.isfinite(p.detach())).sum())
+            if bad:
+                name = self._param_name(p)
+                what = f"parameter {name!r} (shape {tuple(p.shape)})" if name else _describe(i, p)
+                raise ValueError(f"{what} of param group {group_index} holds {bad} non-finite value(s) (NaN or inf) "
+                                 f"of {p.numel()}: a Frank-Wolfe start must be finite; initialise it to finite values "
+                                 f"before giving it to {type(self).__name__} (nothing was changed)")
+
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group after checking its parameters; sets its radii and makes the start feasible.
 
@@ -212,6 +234,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"{_describe(i, p)} is not contiguous; the fused kernels walk parameters as flat "
                                  f"memory (make it contiguous before creating the optimizer)")
+        self._check_finite_start(params, len(self.param_groups))
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"params of one param group must share a device, got {sorted(map(str, devices))}; "
