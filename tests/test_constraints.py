@@ -745,7 +745,8 @@ def test_state_dict_round_trip_keeps_the_constraint(c):
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     other = fgfw.L1Ball(100.0)  # another set, large enough to leave the twins alone
     opt2 = fgfw.FrankWolfe(twins, constraint=other, momentum=0.5)
-    opt2.load_state_dict(saved)
+    with pytest.warns(UserWarning, match=r"the state_dict's constraint .* replaces this optimizer's L1Ball"):
+        opt2.load_state_dict(saved)
     loaded = opt2.param_groups[0]["constraint"]
     assert type(loaded) is type(c) and loaded.to_dict() == c.to_dict()
     assert opt2.param_groups[0]["radii"] == opt.param_groups[0]["radii"]

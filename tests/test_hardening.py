@@ -305,6 +305,29 @@ def test_a_non_finite_start_is_refused_naming_the_parameter(bad, make):
         assert torch.equal(p, q) or (torch.isnan(p).any() and torch.equal(p.isnan(), q.isnan()))
 
 
+def test_loading_a_state_saved_with_another_constraint_warns_naming_both():
+    """The saved set and radii replace the ones the optimizer was built with (they are the run's), with a warning
+    that names both; the same constraint loads silently."""
+    source_model, model = mlp(), mlp()
+    source = fgfw.FrankWolfe(source_model.parameters(), constraint=fgfw.L1Ball(radius=3.0, scope="row"))
+    _train_step(source, source_model, 0, torch.float64)
+    saved = source.state_dict()
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.LInfBall(radius=0.5))
+    with pytest.warns(UserWarning, match=r"param group 0: the state_dict's constraint L1Ball\(radius=3.0, "
+                                         r"scope='row'\) replaces this optimizer's LInfBall\(radius=0.5, "
+                                         r"scope='tensor'\)"):
+        opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert isinstance(group["constraint"], fgfw.L1Ball) and group["constraint"].scope == "row"
+    assert group["radii"] == source.param_groups[0]["radii"]
+    model.load_state_dict(source_model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rescale either: the loaded parameters lie in the saved balls
+        _train_step(opt, model, 1, torch.float64)
+        same = fgfw.FrankWolfe(mlp().parameters(), constraint=fgfw.L1Ball(radius=3.0, scope="row"))
+        same.load_state_dict(saved)
+
+
 # -- 4. state from another model or optimizer ------------------------------------------------------------------------
 def _snapshot(opt, model):
     return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]

@@ -401,6 +401,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         ``ValueError`` and leaves the optimizer as it was. A schedule saved as a callable is taken from
         this optimizer, which must then have been built with a callable there. The optimizer keeps its
         own ``backend`` (a checkpoint may move between machines); everything else comes from the state.
+
+        That includes each group's constraint and radii: a state saved with another set, radius, scope or
+        rule than this optimizer was built with replaces them, with a ``UserWarning`` that names both. A
+        warning, not an error: the state is the run's record (the parameters saved with it lie in the saved
+        balls, and the saved set and radii are what resume the run bit-identically), and building an optimizer
+        with any constraint and then loading a checkpoint is the usual way to resume one; the warning catches
+        a checkpoint loaded into a run that meant another set.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
@@ -412,6 +419,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._check_extra_state(extra)
         groups = self._checked_groups(state_dict["param_groups"])
         self._check_state(state_dict["state"], groups)
+        for g, (new, group) in enumerate(zip(groups, self.param_groups)):
+            saved, current = new["constraint"], group["constraint"]
+            if saved.to_dict() != current.to_dict():
+                warnings.warn(f"param group {g}: the state_dict's constraint {saved!r} replaces this optimizer's "
+                              f"{current!r}; the run resumes in the saved set with its saved radii (build the "
+                              f"optimizer with {saved!r} to resume without this warning)", UserWarning,
+                              stacklevel=_user_stacklevel())
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; momentum and the master copy keep the compute
