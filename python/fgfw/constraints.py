@@ -46,7 +46,9 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` for a warning raised by the caller that points at the first frame outside fgfw and
     torch.optim (the user's line that built the optimizer)."""
     frame, level = sys._getframe(1), 1  # the warning's caller is stacklevel 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fgfw.", "torch.optim")):
+    # torch.utils._contextlib: the no_grad decorator around a step
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fgfw.", "torch.optim",
+                                                                                  "torch.utils._contextlib")):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -139,6 +141,12 @@ class Constraint:
         right for any initialisation).
         """
         return cls(None, scope=scope, _relative_scale=scale, _rule="init_diameter", **params)
+
+    def check(self) -> None:
+        """Raises ``ValueError`` (or ``TypeError``) naming the setting unless the set's settings are valid, as its
+        constructor would: they may have been changed on the object after it was built."""
+        type(self)(self.radius, scope=self.scope, _relative_scale=self.relative_scale, _rule=self.rule,
+                   **self._params())
 
     @property
     def global_ball(self) -> bool:
@@ -271,9 +279,10 @@ class Constraint:
             return [self._rule_radius(list(params), "the group's parameters")]
         return [self._rule_radius([p], f"parameter {i} (shape {tuple(p.shape)})") for i, p in enumerate(params)]
 
-    def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float]) -> None:
-        """Moves an infeasible start into the set (with a warning beyond rounding); feasible parameters are
-        untouched."""
+    def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float],
+                       what: str = "initial parameters") -> None:
+        """Moves an infeasible start into the set (with a warning beyond rounding, which calls the tensors
+        ``what``); feasible parameters are untouched."""
         if self.scope == "row":
             params = [row for p in params for row in self.rows(p)]
             radii = [r for per_tensor in radii for r in per_tensor]
@@ -286,10 +295,10 @@ class Constraint:
             self.shrink_into_(tensors, r)
             # an excess within rounding (e.g. a radius set from these very weights) is removed silently
             if excess > 1e-6:
-                warnings.warn(self._moved_message(before, r, tensors), stacklevel=_user_stacklevel())
+                warnings.warn(self._moved_message(before, r, tensors, what), stacklevel=_user_stacklevel())
 
-    def _moved_message(self, before: float, radius: float, tensors) -> str:
-        return (f"initial parameters have {self.GAUGE} {before:.6g} > radius {radius:.6g}: rescaled into the "
+    def _moved_message(self, before: float, radius: float, tensors, what: str) -> str:
+        return (f"{what} have {self.GAUGE} {before:.6g} > radius {radius:.6g}: rescaled into the "
                 f"{self.NAME} by {radius / before:.6g} (pass a larger radius or {type(self).__name__}.relative_to_init "
                 f"to keep the initialisation)")
 
@@ -527,8 +536,8 @@ class Simplex(Constraint):
                 at += t.numel()
         return True
 
-    def _moved_message(self, before: float, radius: float, tensors) -> str:
-        return (f"initial parameters are not in the simplex {{theta >= 0, sum theta = {radius:.6g}}}: projected "
+    def _moved_message(self, before: float, radius: float, tensors, what: str) -> str:
+        return (f"{what} are not in the simplex {{theta >= 0, sum theta = {radius:.6g}}}: projected "
                 f"onto it (Euclidean projection)")
 
 
@@ -583,8 +592,8 @@ class NonnegativeL1Ball(Simplex):
         n = math.prod(shape)
         return math.sqrt(2.0) * radius if n > 1 else radius if n == 1 else 0.0
 
-    def _moved_message(self, before: float, radius: float, tensors) -> str:
-        return (f"initial parameters are not in the non-negative L1 ball {{theta >= 0, sum theta <= {radius:.6g}}}: "
+    def _moved_message(self, before: float, radius: float, tensors, what: str) -> str:
+        return (f"{what} are not in the non-negative L1 ball {{theta >= 0, sum theta <= {radius:.6g}}}: "
                 f"negative values set to 0, then rescaled into it")
 
 

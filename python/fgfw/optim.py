@@ -105,6 +105,12 @@ def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
 
 
+def _constraint_spec(constraint: Constraint) -> tuple:
+    """What a group's radii and balls are made from: the constraint's settings (its to_dict values). A change of
+    any (radius, scope, rule, p, k, ...) between steps is applied in full (_apply_setting_changes)."""
+    return tuple(constraint.to_dict().items())
+
+
 def _spec_key(spec) -> object:
     """A schedule as a dict key: names and numbers by value, callables by identity."""
     return spec if isinstance(spec, (str, int, float)) else ("callable", id(spec))
@@ -170,6 +176,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
         self._plan_cache: _Plan | None = None  # see _prepared
+        # per param group, what its radii were resolved from: (constraint, its _constraint_spec, radii); see
+        # _apply_setting_changes
+        self._radii_source: list[tuple] = []
         defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale)
         params, _ = _param_tensors(params)
         # every group's start is checked before any group's is rescaled into its ball
@@ -266,7 +275,57 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             group["radii"] = _row_radii(group["radii"])
         constraint.make_feasible_(params, group["radii"])
         super().add_param_group(group)
+        self._radii_source.append(self._radii_record(group))
         self._plan_cache = None
+
+    @staticmethod
+    def _radii_record(group: dict) -> tuple:
+        return group["constraint"], _constraint_spec(group["constraint"]), list(group["radii"])
+
+    def _apply_setting_changes(self) -> None:
+        """Applies what changed in a group's constraint or radii since its radii were made, as construction does.
+
+        A new constraint object, or a change of its settings (radius, scope, rule, its own parameters), makes
+        the group's radii again from it (an explicit radius, or the rule measured on the current parameters);
+        a new ``group["radii"]`` is taken as given. Either way the parameters are then moved into the new balls
+        (rescaled, with a warning beyond rounding; a float16/bfloat16 parameter through its float32 master
+        copy). Every group is checked before any changes: invalid settings raise ``ValueError`` (``TypeError``
+        for a constraint that is not one) naming the group, with nothing changed."""
+        changes = []
+        for g, group in enumerate(self.param_groups):
+            source, spec, radii = self._radii_source[g]
+            constraint, params = group["constraint"], group["params"]
+            new_set = constraint is not source or _constraint_spec(constraint) != spec
+            if not new_set and list(group["radii"]) == radii:
+                continue
+            where = f"param group {g}"
+            if not isinstance(constraint, Constraint):
+                raise TypeError(f"{where}: constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
+                                f"got {type(constraint).__name__}")
+            targets = [self.state[p]["master"] if p in self.state and "master" in self.state[p] else p
+                       for p in params]
+            if new_set:
+                try:
+                    constraint.check()
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{where}: its constraint was changed to invalid settings: {err}") from None
+                if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
+                    raise ValueError(f"{where}: a {type(constraint).__name__} with scope='global' cannot mix float64 "
+                                     f"with other params, got {sorted(map(str, {p.dtype for p in params}))}")
+                new_radii = constraint.resolve_radii(targets)
+            else:
+                new_radii = group["radii"]
+            _check_radii(constraint, params, new_radii, where)
+            changes.append((g, group, constraint, targets, _row_radii(new_radii) if constraint.scope == "row"
+                            else list(new_radii)))
+        for g, group, constraint, targets, new_radii in changes:
+            constraint.make_feasible_(targets, new_radii, f"the parameters of param group {g} (its settings changed)")
+            with torch.no_grad():
+                for p, target in zip(group["params"], targets):
+                    if target is not p:
+                        p.copy_(target)  # the master copy moved: the parameter is its rounding, as after a step
+            group["radii"] = new_radii
+            self._radii_source[g] = self._radii_record(group)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         schedules.check_schedule(group["step_size"], "step_size")
@@ -442,6 +501,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self.state[p]["singular_vector"] = saved["singular_vector"].to(device=p.device, dtype=torch.float64,
                                                                                copy=True)
         self._load_extra_state(extra)
+        self._radii_source = [self._radii_record(group) for group in self.param_groups]  # the saved run's
         self._plan_cache = None  # new state tensors
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -473,15 +533,16 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     def _plan_key(self) -> list:
         """What the plan is built from: compared with the cached plan's key at every step. Radii are copied
-        (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan)."""
+        (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan). The constraint's
+        settings are read too (a radius set on the object is seen): see _apply_setting_changes."""
         # state cleared: momentum tensors made anew (load_state_dict drops the plan itself). Not id(self.state):
         # torch.compile of torch 2.11 cannot trace id() of a dict (fullgraph steps failed there, on an H200).
         key: list = [len(self.state)]  # index 0: updated by the step that makes the state (_apply)
         # groups by position, not id(group): torch 2.11's dynamo cannot trace id() of a dict either
         for g, group in enumerate(self.param_groups):
             constraint = group["constraint"]
-            key.append((g, tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
-                        self._schedule_key(group), group["rescale"], list(group["radii"]),
+            key.append((g, tuple(map(id, group["params"])), constraint, _constraint_spec(constraint),
+                        group["backend"], self._schedule_key(group), group["rescale"], list(group["radii"]),
                         tuple(self._takes_part(group))))
         return key
 
@@ -499,6 +560,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         there) share a call, since radii and row lengths travel per ball and per tensor. A global ball is one
         ball over its group: a call of its own. float16/bfloat16 parameters step through their float32
         master copies (_HALF_DTYPES), beside the float32 parameters."""
+        self._apply_setting_changes()
         stream_params, offsets, start = [], {}, 0
         if self._uses_tangent_stream:
             # each tensor starts at a multiple of 4, the start of a Philox call, so that the kernels can draw
