@@ -196,12 +196,32 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     @property
     def last_gap(self) -> torch.Tensor | None:
-        """The Frank-Wolfe gap of the last step (float64 tensor); None before the first step."""
+        """The Frank-Wolfe gap ``<d, theta - s>`` of the last step, d its direction, theta the pre-step
+        parameters, s the vertex, summed over all balls (float64 tensor); None before the first step. It is
+        the true gap ``max_{s in C} <d, theta - s>`` (up to rounding) where :attr:`exact_gap` says so."""
         return self._step_results["gap"]
 
     @last_gap.setter
     def last_gap(self, gap: torch.Tensor | None) -> None:
         self._step_results["gap"] = gap
+
+    @property
+    def exact_gap(self) -> bool:
+        """Whether :attr:`last_gap` is the true Frank-Wolfe gap of the step's direction: True unless some ball's
+        vertex is computed approximately (a :class:`fgfw.NuclearNormBall` over a matrix whose smaller side
+        exceeds its ``full_svd_max``: ``Constraint.exact_lmo``), where it is an estimate from below (at most
+        the true gap). For FGFW and AFGFW the direction is the gradient estimate, not the gradient."""
+        for group in self.param_groups:
+            constraint, params = group["constraint"], group["params"]
+            if constraint.global_ball:
+                shapes = [(sum(p.numel() for p in params),)]
+            elif constraint.scope == "row":
+                shapes = [(math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel(),) for p in params]
+            else:
+                shapes = [tuple(p.shape) for p in params]
+            if not all(constraint.exact_lmo(shape) for shape in shapes):
+                return False
+        return True
 
     # -- construction -------------------------------------------------------------------------------------------
     def _param_name(self, p: torch.Tensor) -> str | None:
@@ -497,7 +517,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
-            if "singular_vector" in saved:  # float64, as the power iterations left it: resumes bit-identically
+            if "singular_vector" in saved:  # float64, as the last step left it: resumes bit-identically
                 self.state[p]["singular_vector"] = saved["singular_vector"].to(device=p.device, dtype=torch.float64,
                                                                                copy=True)
         self._load_extra_state(extra)
@@ -748,7 +768,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
                 vertex = call.constraint.vertex
-                if isinstance(call.constraint, constraints.NuclearNormBall):  # power iterations from last step's v_1
+                if isinstance(call.constraint, constraints.NuclearNormBall):  # iterations from last step's v_1
                     vertex = call.constraint.warm_started([self.state[p] for p in call.params])
                 reference.fw_step_(vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
@@ -804,7 +824,8 @@ class FrankWolfe(_FrankWolfeBase):
     momentum move) or take a zero gradient (a global ball, whose update scales every parameter). So are
     parameters frozen after construction; in a global ball those raise ``ValueError``. A non-contiguous
     gradient is used as its contiguous copy. After a step, ``last_gap`` holds the Frank-Wolfe gap
-    ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor).
+    ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor):
+    the true gap of v unless ``exact_gap`` is False (a large nuclear-norm ball).
     """
 
     def __init__(self, params: Iterable, *, constraint: Constraint, step_size: schedules.Schedule = "2/(k+2)",
