@@ -66,14 +66,14 @@ def _sqrt(k):
 
 
 def _cube_root(x):
-    """x^(1/3) for x >= 1 (float or float64 tensor), by the same operations everywhere: x = 8^j r with r in
-    [1, 8) (exact: 2^j is a product of selects on x), a quadratic within 3.8 % of r^(1/3), then 4 Newton
-    steps (the error squares at each: 5e-21). Not correctly rounded: ``"4/(k+8)^(2/3)"`` made from it lies
-    within 2.5 ulps of its exact value (tests/test_optim.py). Written so that no long chain of values is
-    used twice: Inductor inlines a value at each of its uses, and a binary range reduction followed by 7
-    Newton steps from 2 took 8 minutes to compile here."""
+    """x^(1/3) for 1 <= x < 8^18 = 2^54 (float or float64 tensor), by the same operations everywhere: x = 8^j r
+    with r in [1, 8) (exact: 2^j is a product of selects on x), a quadratic within 3.8 % of r^(1/3), then 4
+    Newton steps (the error squares at each: 5e-21). Not correctly rounded: ``"4/(k+8)^(2/3)"`` made from it
+    lies within 2.5 ulps of its exact value (tests/test_optim.py). Written so that no long chain of values is
+    used twice: Inductor inlines a value at each of its uses, and a binary range reduction followed by 7 Newton
+    steps from 2 took 8 minutes to compile here."""
     scale = 1.0 + 0.0 * x  # x's type (a float64 tensor; torch.where of two numbers would give float32)
-    for j in range(1, 32):  # x < 8^32 = 2^96
+    for j in range(1, 18):  # k + 8 < 8^18 for every k a float64 holds exactly (k <= 2^53)
         scale = scale * _where(x >= 8.0 ** j, 2.0, 1.0)
     r = x / (scale * scale * scale)
     c = 0.8 + r / 4.0 - r / (80.0 / r)  # 0.8 + r/4 - r^2/80 with no inexact product feeding a sum
