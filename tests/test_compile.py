@@ -157,6 +157,18 @@ def test_set_steps_compile_whole(fgfw_ops, constraint, compiled_graphs):
     _assert_same_run(got, expected, gap_rel=0)
 
 
+def test_named_schedules_compiled_give_the_host_bits(compiled_graphs):
+    """A compiled step evaluates the named schedules on its float64 counter (Inductor's own sqrt, divisions
+    and selects): the same bits as the host's evaluation of the CPU step, also at the k where torch's eager
+    float64 CPU sqrt is one ulp off on some machines (51, 78, 107, ...)."""
+    names = sorted(fgfw.schedules.NAMED)
+    evaluate = torch.compile(lambda k: torch.stack([fgfw.schedules.NAMED[name](k) for name in names]), fullgraph=True)
+    for k in [1, 2, 3, 51, 78, 107, 149, 170, 1000, 123457, 2**31 + 11, 2**52 - 1]:
+        got = evaluate(torch.tensor(float(k), dtype=torch.float64)).tolist()
+        assert got == [fgfw.schedules.evaluate(name, k, "step_size") for name in names], k
+    assert compiled_graphs() == 1
+
+
 @pytest.mark.parametrize("tangent", ["rademacher", "gaussian"])
 def test_triton_trajectory_equals_the_reference(tangent):
     _require("triton", TRITON_DEVICE)
@@ -195,3 +207,21 @@ def test_triton_and_counter_ops_pass_opcheck():
             torch.tensor([2.0, 0.5, 0.25], **f64), torch.tensor([0.3], **f64), [1.0], True, [0], 5, 1,
             torch.zeros((), **f64), [])
     torch.library.opcheck(torch.ops.fgfw_triton.l1_fw_step_.default, args)
+
+
+def test_a_second_optimizer_with_other_radii_compiles_whole_too():
+    """The second optimizer's step recompiles with its radii traced as symbolic floats (dynamo's automatic
+    dynamic): the plan's checks must not turn them into graph breaks (math.isfinite did, under fullgraph)."""
+    torch._dynamo.reset()
+    for radius in (1.0, 2.0, 3.0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3))
+        opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=radius), check_finite=False,
+                              backend="cpu")
+        step = torch.compile(opt.step, fullgraph=True)
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            step()
+        assert all(float(p.detach().abs().sum()) <= radius * (1 + 1e-6) for p in model.parameters())

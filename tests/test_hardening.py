@@ -274,6 +274,60 @@ def test_only_frozen_parameters_is_an_error():
         fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=10.0))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("make", ["fw_groups", "afgfw_module", "add_param_group"])
+def test_a_non_finite_start_is_refused_naming_the_parameter(bad, make):
+    """A start holding NaN or inf raises ValueError naming the parameter, with nothing changed: not even a group
+    before it that its ball would rescale. Before, rescaling it into the ball made a NaN start all-NaN and an
+    inf start [nan, 0, 0], with only a "rescaled into the ball" warning."""
+    model = mlp()
+    model[2].bias.data[1] = bad
+    before = [p.detach().clone() for p in model.parameters()]
+    ball = fgfw.L1Ball(radius=0.1)  # below every initial norm: a group built before the error would be rescaled
+    if make == "fw_groups":
+        match = r"parameter 1 \(shape \(3,\), dtype torch.float64, device cpu\) of param group 1 holds 1 non-finite"
+        with pytest.raises(ValueError, match=match):
+            fgfw.FrankWolfe([{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}],
+                            constraint=ball)
+    elif make == "afgfw_module":
+        with pytest.raises(ValueError, match=r"parameter '2.bias' \(shape \(3,\)\) of param group 0 holds 1"):
+            fgfw.AFGFW(model, constraint=ball, seed=0)
+    else:
+        first = [p.detach().clone() for p in model[0].parameters()]
+        with pytest.warns(UserWarning, match="rescaled"):
+            opt = fgfw.FrankWolfe(model[0].parameters(), constraint=ball)
+        before[:2] = [p.detach().clone() for p in model[0].parameters()]
+        assert not all(torch.equal(p, q) for p, q in zip(first, before[:2]))
+        with pytest.raises(ValueError, match="param group 1 holds 1 non-finite value"):
+            opt.add_param_group({"params": list(model[2].parameters())})
+        assert len(opt.param_groups) == 1
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q) or (torch.isnan(p).any() and torch.equal(p.isnan(), q.isnan()))
+
+
+def test_loading_a_state_saved_with_another_constraint_warns_naming_both():
+    """The saved set and radii replace the ones the optimizer was built with (they are the run's), with a warning
+    that names both; the same constraint loads silently."""
+    source_model, model = mlp(), mlp()
+    source = fgfw.FrankWolfe(source_model.parameters(), constraint=fgfw.L1Ball(radius=3.0, scope="row"))
+    _train_step(source, source_model, 0, torch.float64)
+    saved = source.state_dict()
+    opt = fgfw.FrankWolfe(model.parameters(), constraint=fgfw.LInfBall(radius=0.5))
+    with pytest.warns(UserWarning, match=r"param group 0: the state_dict's constraint L1Ball\(radius=3.0, "
+                                         r"scope='row'\) replaces this optimizer's LInfBall\(radius=0.5, "
+                                         r"scope='tensor'\)"):
+        opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert isinstance(group["constraint"], fgfw.L1Ball) and group["constraint"].scope == "row"
+    assert group["radii"] == source.param_groups[0]["radii"]
+    model.load_state_dict(source_model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rescale either: the loaded parameters lie in the saved balls
+        _train_step(opt, model, 1, torch.float64)
+        same = fgfw.FrankWolfe(mlp().parameters(), constraint=fgfw.L1Ball(radius=3.0, scope="row"))
+        same.load_state_dict(saved)
+
+
 # -- 4. state from another model or optimizer ------------------------------------------------------------------------
 def _snapshot(opt, model):
     return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]

@@ -75,7 +75,9 @@ def _check_radii(constraint: Constraint, params: list[torch.Tensor], radii: obje
             raise ValueError(f"{where}: radii must hold {expected} {what}, got {got}: it was saved for other "
                              f"parameters or another constraint")
         for r in values:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            # comparisons, not math.isfinite: a compiled step that recompiled for other radii traces them as
+            # symbolic floats, which math.isfinite turns into a torch op that breaks the graph
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
                 raise ValueError(f"{where}: radii must be finite numbers > 0, got {r!r}")
 
     if constraint.global_ball:
@@ -118,6 +120,12 @@ def _device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tenso
 
 def _describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
+
+
+def _constraint_spec(constraint: Constraint) -> tuple:
+    """What a group's radii and balls are made from: the constraint's settings (its to_dict values). A change of
+    any (radius, scope, rule, p, k, ...) between steps is applied in full (_apply_setting_changes)."""
+    return tuple(constraint.to_dict().items())
 
 
 def _spec_key(spec) -> object:
@@ -191,7 +199,16 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
         self._plan_cache: _Plan | None = None  # see _prepared
+        # per param group, what its radii were resolved from: (constraint, its _constraint_spec, radii); see
+        # _apply_setting_changes
+        self._radii_source: list[tuple] = []
         defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale)
+        params, _ = _param_tensors(params)
+        # every group's start is checked before any group's is rescaled into its ball
+        groups = [item["params"] for item in params] if params and all(isinstance(i, dict) for i in params) \
+            else [params]
+        for g, members in enumerate(groups):
+            self._check_finite_start(members, g)
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is None and self._frozen_left_out:
@@ -202,17 +219,53 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     @property
     def last_gap(self) -> torch.Tensor | None:
-        """The Frank-Wolfe gap of the last step (float64 tensor); None before the first step."""
+        """The Frank-Wolfe gap ``<d, theta - s>`` of the last step, d its direction, theta the pre-step
+        parameters, s the vertex, summed over all balls (float64 tensor); None before the first step. It is
+        the true gap ``max_{s in C} <d, theta - s>`` (up to rounding) where :attr:`exact_gap` says so."""
         return self._step_results["gap"]
 
     @last_gap.setter
     def last_gap(self, gap: torch.Tensor | None) -> None:
         self._step_results["gap"] = gap
 
+    @property
+    def exact_gap(self) -> bool:
+        """Whether :attr:`last_gap` is the true Frank-Wolfe gap of the step's direction: True unless some ball's
+        vertex is computed approximately (a :class:`fgfw.NuclearNormBall` over a matrix whose smaller side
+        exceeds its ``full_svd_max``: ``Constraint.exact_lmo``), where it is an estimate from below (at most
+        the true gap). For FGFW and AFGFW the direction is the gradient estimate, not the gradient."""
+        for group in self.param_groups:
+            constraint, params = group["constraint"], group["params"]
+            if constraint.global_ball:
+                shapes = [(sum(p.numel() for p in params),)]
+            elif constraint.scope == "row":
+                shapes = [(math.prod(p.shape[1:]) if p.dim() >= 2 else p.numel(),) for p in params]
+            else:
+                shapes = [tuple(p.shape) for p in params]
+            if not all(constraint.exact_lmo(shape) for shape in shapes):
+                return False
+        return True
+
     # -- construction -------------------------------------------------------------------------------------------
     def _param_name(self, p: torch.Tensor) -> str | None:
         """p's name for messages, where the optimizer knows one (the forward-gradient ones know the module)."""
         return None
+
+    def _check_finite_start(self, params: list, group_index: int) -> None:
+        """``ValueError`` naming the first trainable parameter that holds NaN or inf: rescaling it into its ball
+        would spread them (a NaN made the whole tensor NaN, an inf gave [nan, 0, 0]). Frozen parameters are
+        left out of the optimizer, and other bad input gets its own error from add_param_group."""
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or not p.requires_grad or p.layout != torch.strided or p.is_meta \
+                    or not p.is_floating_point():
+                continue
+            bad = int((~torch.isfinite(p.detach())).sum())
+            if bad:
+                name = self._param_name(p)
+                what = f"parameter {name!r} (shape {tuple(p.shape)})" if name else _describe(i, p)
+                raise ValueError(f"{what} of param group {group_index} holds {bad} non-finite value(s) (NaN or inf) "
+                                 f"of {p.numel()}: a Frank-Wolfe start must be finite; initialise it to finite values "
+                                 f"before giving it to {type(self).__name__} (nothing was changed)")
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group after checking its parameters; sets its radii and makes the start feasible.
@@ -233,6 +286,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"{_describe(i, p)} is not contiguous; the fused kernels walk parameters as flat "
                                  f"memory (make it contiguous before creating the optimizer)")
+        self._check_finite_start(params, len(self.param_groups))
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"params of one param group must share a device, got {sorted(map(str, devices))}; "
@@ -269,7 +323,59 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             group["radii"] = _row_radii(group["radii"])
         constraint.make_feasible_(params, group["radii"])
         super().add_param_group(group)
+        self._radii_source.append(self._radii_record(group))
         self._plan_cache = None
+
+    @staticmethod
+    def _radii_record(group: dict) -> tuple:
+        return group["constraint"], _constraint_spec(group["constraint"]), list(group["radii"])
+
+    def _apply_setting_changes(self) -> None:
+        """Applies what changed in a group's constraint or radii since its radii were made, as construction does.
+
+        A new constraint object, or a change of its settings (radius, scope, rule, its own parameters), makes
+        the group's radii again from it (an explicit radius, or the rule measured on the current parameters);
+        a new ``group["radii"]`` is taken as given. Either way the parameters are then moved into the new balls
+        (rescaled, with a warning beyond rounding; a float16/bfloat16 parameter through its float32 master
+        copy). Every group is checked before any changes: invalid settings raise ``ValueError`` (``TypeError``
+        for a constraint that is not one) naming the group, with nothing changed."""
+        changes = []
+        for g, group in enumerate(self.param_groups):
+            source, spec, radii = self._radii_source[g]
+            if group["constraint"] is None:  # made unconstrained: a gradient step from now on
+                group["constraint"] = constraints.Unconstrained()
+            constraint, params = group["constraint"], group["params"]
+            new_set = constraint is not source or _constraint_spec(constraint) != spec
+            if not new_set and list(group["radii"]) == radii:
+                continue
+            where = f"param group {g}"
+            if not isinstance(constraint, Constraint):
+                raise TypeError(f"{where}: constraint must be an fgfw constraint such as fgfw.L1Ball(radius=...), "
+                                f"got {type(constraint).__name__}")
+            targets = [self.state[p]["master"] if p in self.state and "master" in self.state[p] else p
+                       for p in params]
+            if new_set:
+                try:
+                    constraint.check()
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{where}: its constraint was changed to invalid settings: {err}") from None
+                if constraint.global_ball and len({reference.compute_dtype(p.dtype) for p in params}) > 1:
+                    raise ValueError(f"{where}: a {type(constraint).__name__} with scope='global' cannot mix float64 "
+                                     f"with other params, got {sorted(map(str, {p.dtype for p in params}))}")
+                new_radii = constraint.resolve_radii(targets)
+            else:
+                new_radii = group["radii"]
+            _check_radii(constraint, params, new_radii, where)
+            changes.append((g, group, constraint, targets, _row_radii(new_radii) if constraint.scope == "row"
+                            else list(new_radii)))
+        for g, group, constraint, targets, new_radii in changes:
+            constraint.make_feasible_(targets, new_radii, f"the parameters of param group {g} (its settings changed)")
+            with torch.no_grad():
+                for p, target in zip(group["params"], targets):
+                    if target is not p:
+                        p.copy_(target)  # the master copy moved: the parameter is its rounding, as after a step
+            group["radii"] = new_radii
+            self._radii_source[g] = self._radii_record(group)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         schedules.check_schedule(group["step_size"], "step_size")
@@ -404,6 +510,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         ``ValueError`` and leaves the optimizer as it was. A schedule saved as a callable is taken from
         this optimizer, which must then have been built with a callable there. The optimizer keeps its
         own ``backend`` (a checkpoint may move between machines); everything else comes from the state.
+
+        That includes each group's constraint and radii: a state saved with another set, radius, scope or
+        rule than this optimizer was built with replaces them, with a ``UserWarning`` that names both. A
+        warning, not an error: the state is the run's record (the parameters saved with it lie in the saved
+        balls, and the saved set and radii are what resume the run bit-identically), and building an optimizer
+        with any constraint and then loading a checkpoint is the usual way to resume one; the warning catches
+        a checkpoint loaded into a run that meant another set.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (from "
@@ -415,6 +528,13 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._check_extra_state(extra)
         groups = self._checked_groups(state_dict["param_groups"])
         self._check_state(state_dict["state"], groups)
+        for g, (new, group) in enumerate(zip(groups, self.param_groups)):
+            saved, current = new["constraint"], group["constraint"]
+            if saved.to_dict() != current.to_dict():
+                warnings.warn(f"param group {g}: the state_dict's constraint {saved!r} replaces this optimizer's "
+                              f"{current!r}; the run resumes in the saved set with its saved radii (build the "
+                              f"optimizer with {saved!r} to resume without this warning)", UserWarning,
+                              stacklevel=_user_stacklevel())
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; momentum and the master copy keep the compute
@@ -427,10 +547,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
-            if "singular_vector" in saved:  # float64, as the power iterations left it: resumes bit-identically
+            if "singular_vector" in saved:  # float64, as the last step left it: resumes bit-identically
                 self.state[p]["singular_vector"] = saved["singular_vector"].to(device=p.device, dtype=torch.float64,
                                                                                copy=True)
         self._load_extra_state(extra)
+        self._radii_source = [self._radii_record(group) for group in self.param_groups]  # the saved run's
         self._plan_cache = None  # new state tensors
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -462,15 +583,16 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
     def _plan_key(self) -> list:
         """What the plan is built from: compared with the cached plan's key at every step. Radii are copied
-        (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan)."""
+        (a radius changed in place is seen); a row ball's radii are tuples (see _build_plan). The constraint's
+        settings are read too (a radius set on the object is seen): see _apply_setting_changes."""
         # state cleared: momentum tensors made anew (load_state_dict drops the plan itself). Not id(self.state):
         # torch.compile of torch 2.11 cannot trace id() of a dict (fullgraph steps failed there, on an H200).
         key: list = [len(self.state)]  # index 0: updated by the step that makes the state (_apply)
         # groups by position, not id(group): torch 2.11's dynamo cannot trace id() of a dict either
         for g, group in enumerate(self.param_groups):
             constraint = group["constraint"]
-            key.append((g, tuple(map(id, group["params"])), constraint, constraint.scope, group["backend"],
-                        self._schedule_key(group), group["rescale"], list(group["radii"]),
+            key.append((g, tuple(map(id, group["params"])), constraint, _constraint_spec(constraint),
+                        group["backend"], self._schedule_key(group), group["rescale"], list(group["radii"]),
                         tuple(self._takes_part(group))))
         return key
 
@@ -488,6 +610,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         there) share a call, since radii and row lengths travel per ball and per tensor. A global ball is one
         ball over its group: a call of its own. float16/bfloat16 parameters step through their float32
         master copies (_HALF_DTYPES), beside the float32 parameters."""
+        self._apply_setting_changes()
         stream_params, offsets, start = [], {}, 0
         if self._uses_tangent_stream:
             # each tensor starts at a multiple of 4, the start of a Philox call, so that the kernels can draw
@@ -580,8 +703,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
 
         On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
         GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
-        no host-to-device copy nor synchronisation, so that a step can be captured. On the CPU both give the
-        same bits: the named schedules are correctly rounded (+, /, sqrt) or use libm's pow either way."""
+        no host-to-device copy nor synchronisation, so that a step can be captured. Both give the same bits, on
+        any machine: a named schedule is the same sequence of IEEE operations either way (fgfw.schedules)."""
         host_k = int(k) if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
         device_k = None
         made: dict[tuple, torch.Tensor] = {}
@@ -680,7 +803,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
                 vertex = call.constraint.vertex
-                if isinstance(call.constraint, constraints.NuclearNormBall):  # power iterations from last step's v_1
+                if isinstance(call.constraint, constraints.NuclearNormBall):  # iterations from last step's v_1
                     vertex = call.constraint.warm_started([self.state[p] for p in call.params])
                 reference.fw_step_(vertex, call.targets, call.moms, call_grads, schedule[c],
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
@@ -739,7 +862,8 @@ class FrankWolfe(_FrankWolfeBase):
     momentum move) or take a zero gradient (a global ball, whose update scales every parameter). So are
     parameters frozen after construction; in a global ball those raise ``ValueError``. A non-contiguous
     gradient is used as its contiguous copy. After a step, ``last_gap`` holds the Frank-Wolfe gap
-    ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor).
+    ``<v, theta - s>`` at the pre-step parameters, summed over all balls of all groups (a float64 tensor):
+    the true gap of v unless ``exact_gap`` is False (a large nuclear-norm ball).
     """
 
     def __init__(self, params: Iterable | nn.Module, *, constraint: Constraint,
