@@ -172,7 +172,7 @@ def test_without_torch_distributed_nothing_is_communicated():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_torchrun_example_keeps_the_ranks_identical(world, tmp_path):
-    """examples/ddp_mnist.py as the README runs it (scikit-learn's digits instead of MNIST, 5 steps)."""
+    """examples/ddp_mnist.py as docs/usage.md runs it (scikit-learn's digits instead of MNIST, 5 steps)."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     env.pop("FGFW_BACKEND", None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",

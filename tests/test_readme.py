@@ -1,7 +1,7 @@
-"""The README's Python examples run against the code as it is: each ```python block is executed with small
-stand-ins for the names it leaves to the reader (model, loader, x, y, ...). Every optimizer a block builds
-then takes steps, and its parameters must stay in their set. A renamed argument, a set that no longer
-accepts an example's radius rule, or an example that steps out of its set fails here."""
+"""The Python examples of the README and of docs/ run against the code as it is: each ```python block is
+executed with small stand-ins for the names it leaves to the reader (model, loader, x, y, ...). Every
+optimizer a block builds then takes steps, and its parameters must stay in their set. A renamed argument, a
+set that no longer accepts an example's radius rule, or an example that steps out of its set fails here."""
 import ast
 import re
 import socket
@@ -15,17 +15,21 @@ from torch import nn
 
 import fgfw
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# the user documentation whose examples are run: the README and the pages it sends readers to
+PAGES = [README, ROOT / "docs" / "usage.md", ROOT / "docs" / "models.md", ROOT / "docs" / "transformers.md"]
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    return [block for page in PAGES
+            for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)]
 
 
 def block_with(*names: str) -> str:
-    """The one README block that uses all of ``names`` (so that a test follows its block when blocks move)."""
+    """The one block that uses all of ``names`` (so that a test follows its block when blocks move)."""
     found = [b for b in python_blocks() if all(n in b for n in names)]
-    assert len(found) == 1, f"expected one README python block with {names}, found {len(found)}"
+    assert len(found) == 1, f"expected one python block with {names} in the README and docs, found {len(found)}"
     return found[0]
 
 
@@ -81,6 +85,8 @@ def assert_moved(before: list[torch.Tensor], namespace: dict) -> None:
 def assert_in_sets(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         constraint, params, radii = group["constraint"], group["params"], group["radii"]
+        if isinstance(constraint, fgfw.Unconstrained):
+            continue
         if constraint.scope == "global":
             balls = [(torch.cat([p.detach().reshape(-1) for p in params]), radii[0])]
         elif constraint.scope == "row":
@@ -134,7 +140,8 @@ def test_every_set_example_builds_an_optimizer_that_steps_in_its_set():
         assert_in_sets(made[0])
         take_steps(made[0], ns)
         kinds |= {type(g["constraint"]).__name__ for g in made[0].param_groups}
-    assert kinds == {"L2Ball", "LInfBall", "LpBall", "KSparsePolytope", "Simplex", "NuclearNormBall", "GroupL1Ball"}
+    assert kinds == {"L2Ball", "LInfBall", "LpBall", "KSparsePolytope", "Simplex", "NuclearNormBall", "GroupL1Ball",
+                     "SpectralNormBall", "ColumnNormBall", "Unconstrained"}
 
 
 @pytest.mark.filterwarnings("ignore:initial parameters have")
@@ -178,4 +185,23 @@ def test_data_parallel_example_runs_in_a_one_process_group(monkeypatch):
             dist.destroy_process_group()
     assert len(made) == 1
     assert_moved(before, ns)
+    assert_in_sets(made[0])
+
+
+@pytest.mark.filterwarnings("ignore:initial parameters have")
+def test_the_quick_start_trains_a_hugging_face_gpt2():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'models' extra)")
+    code = block_with("GPT2LMHeadModel", "fgfw.param_groups")
+    torch.manual_seed(0)
+    vocab = transformers.GPT2Config().vocab_size
+    ns = dict(loader=[torch.randint(0, vocab, (2, 12)) for _ in range(2)])
+    made = run_collecting(code, ns)
+    assert len(made) == 1
+    model = ns["model"]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # the block stepped through its loader: the weights moved and every constrained ball holds
+    assert_in_sets(made[0])
+    loss = made[0].step(lambda: model(ns["loader"][0], labels=ns["loader"][0]).loss)
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters())
     assert_in_sets(made[0])
