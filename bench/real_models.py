@@ -83,6 +83,9 @@ import torch.nn.functional as F
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from mezo import MeZO  # noqa: E402
+
 METHODS = ("forward", "adam", "frankwolfe", "frankwolfe_ckpt", "afgfw_lean", "afgfw_lean_k4", "afgfw_forward_ad",
            "afgfw_activity", "afgfw_activity_recompute", "mezo")
 FGFW_OPTIONS = {  # AFGFW's keyword arguments per method
@@ -203,9 +206,6 @@ def _reset_hwm() -> None:
 def make_step(method: str, model: nn.Module, kind: str, x, y):
     """(step function, optimizer or None) of one method on ``model``."""
     import fgfw
-
-    sys.path.insert(0, HERE)
-    from mezo import MeZO
 
     if method == "forward":
         closure = make_loss(model, kind, x, y, False)
