@@ -2,7 +2,8 @@
 # The long GPU benchmarks, for when a lease has time beyond scripts/gpu_check.sh (which builds the
 # extension; run it first, in the same command, or set PYTHONPATH to an fgfw built for this GPU):
 # the kernel benchmark at every size (1e4 .. 1e9 as memory allows), the training step, memory and
-# activity-estimator benchmarks. Results go to ${OUT:-results/gpu} (at most 8 files).
+# activity-estimator benchmarks, and the real models of issue 23 (bench/real_models.py --preset gpu). Results go
+# to ${OUT:-results/gpu}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu}
@@ -18,4 +19,10 @@ timeout -k 10 600 python3 bench/memory.py --device cuda --out "$out/memory_gpu.c
   || status=1
 timeout -k 10 600 python3 bench/activity.py --device cuda --out "$out/activity_gpu.csv" >"$out/activity_gpu.log" 2>&1 \
   || status=1
+# issue 23: every method's step on a GPT-2-small-like and a ~1 B LLaMA-like model in bfloat16 (needs transformers);
+# one command per model, each case a fresh process (the 1 B model's ten cases take minutes)
+for model in gpt2_124m llama_1b; do
+  timeout -k 10 600 python3 bench/real_models.py --preset gpu --device cuda --models "$model" --rounds 1 --repeats 5 \
+    --name "real_models_$model" --out "$out" --figures "$out" >"$out/real_models_$model.log" 2>&1 || status=1
+done
 exit $status

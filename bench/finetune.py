@@ -1,0 +1,339 @@
+"""Fine-tuning from a real starting point (issue 23, item 2): AFGFW, FGFW and MeZO against backprop.
+
+Two tasks, sized for a 2-core CPU (one torch thread):
+
+* ``text``: a byte-level ("character") GPT-2 (Hugging Face, 2 layers x 128, 4 heads, context 64, 0.4 M
+  parameters) pre-trained with Adam on Python's standard library (the ``.py`` files at its top level),
+  fine-tuned on the C++ headers that ship with torch (``torch/include/c10``). The headers are split by
+  file: every 10th file is the test split, every 10th after the first the validation split.
+* ``mnist``: an MLP 784-256-256-10 pre-trained with Adam on MNIST digits 0-4, fine-tuned on 5-9 (all ten
+  outputs kept). MNIST's test set (``--data``, IDX files) split as ``fgfw.data.mnist_split`` does; the
+  fine-tuning images of its training part again every 4th into validation.
+
+Methods: ``adam`` and ``frankwolfe`` (backprop; FrankWolfe with momentum 0.9), ``afgfw`` (the paper's
+weight estimator, lean engine, one tangent), ``afgfw_activity`` (tangents on the layers' outputs, one
+tangent), ``fgfw`` (Algorithm 1, weight estimator, one tangent) and ``mezo`` (bench/mezo.py, eps 1e-3).
+The Frank-Wolfe methods take one L1 ball per row of 2x its pre-trained L1 norm (``relative_to_init(2)``,
+not tuned); every step size is constant.
+
+Budgets. Forward passes: a backprop step counts 1 (its backward is not counted), a forward-gradient step
+with one tangent 1, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
+method trains until its steps (evaluation excluded) have taken ``--seconds``.
+
+Protocol, fixed before the runs: the model is pre-trained once (seed 0). For each method, every step
+size of its grid (``GRIDS``) fine-tunes with seed 0 at the forward-pass budget and is scored by the
+validation loss at the end; the lowest wins (a winner at the edge of its grid is flagged). The chosen
+step size then fine-tunes with seeds 0, 1, 2 (the fine-tuning batches, the tangents, MeZO's z) at both
+budgets; the validation loss is recorded along the way and the test split is read once, at the end of
+each run.
+
+    python bench/finetune.py --task mnist --data ../shared/data/mnist
+    python bench/finetune.py --task text
+
+Writes ``finetune_<task>.csv`` (every run's end: validation, and test for the final runs) and
+``finetune_<task>_curves.csv`` into ``--out``, and ``finetune_<task>.png`` into ``--figures``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from mezo import MeZO  # noqa: E402
+
+METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo")
+GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
+    "adam": (1e-4, 3e-4, 1e-3),
+    "frankwolfe": (3e-3, 1e-2, 3e-2),
+    "afgfw": (3e-4, 1e-3, 3e-3),
+    "afgfw_activity": (3e-3, 1e-2, 3e-2),
+    "fgfw": (1e-4, 3e-4, 1e-3),
+    "mezo": (1e-5, 1e-4, 1e-3),
+}
+PASSES_PER_STEP = {"mezo": 2}  # every other method: 1
+SEEDS = (0, 1, 2)
+
+
+# -- tasks -------------------------------------------------------------------------------------------------------------
+class Task:
+    """A model to pre-train and fine-tune, its data and losses. ``batch(split, generator)`` draws a batch;
+    ``loss(model, batch, per_example)`` is the training loss; ``evaluate(model, split)`` -> (loss, accuracy)."""
+
+    name = ""
+    pretrain_steps = 0
+    batch_size = 0
+
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+
+class TextTask(Task):
+    name, pretrain_steps, batch_size, length = "text", 1500, 16, 64
+    eval_windows = 128
+
+    def __init__(self, quick: bool = False):
+        stdlib = sysconfig.get_paths()["stdlib"]
+        headers = os.path.join(os.path.dirname(torch.__file__), "include", "c10")
+        self.pretrain = self._bytes(sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py")))
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(headers) for f in fs if f.endswith(".h"))
+        self.splits = {"train": self._bytes([f for i, f in enumerate(files) if i % 10 not in (0, 1)]),
+                       "val": self._bytes(files[1::10]), "test": self._bytes(files[0::10])}
+        if quick:
+            self.pretrain_steps, self.eval_windows = 5, 4
+
+    @staticmethod
+    def _bytes(paths) -> torch.Tensor:
+        data = b"".join(open(p, "rb").read() for p in paths)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    def model(self) -> nn.Module:
+        from real_models import build_model
+        return build_model("gpt2", dict(n_layer=2, n_embd=128, n_head=4, vocab_size=256), self.length)
+
+    def _windows(self, tokens, starts):
+        w = torch.stack([tokens[s:s + self.length + 1] for s in starts.tolist()])
+        return w[:, :-1], w[:, 1:]
+
+    def batch(self, split, generator):
+        tokens = self.pretrain if split == "pretrain" else self.splits[split]
+        return self._windows(tokens, torch.randint(0, len(tokens) - self.length - 1, (self.batch_size,),
+                                                   generator=generator))
+
+    def loss(self, model, batch, per_example=False):
+        from real_models import make_loss
+        return make_loss(model, "gpt2", *batch, per_example)()
+
+    @torch.no_grad()
+    def evaluate(self, model, split):
+        # the same evenly spaced windows every time: a deterministic score
+        tokens = self.splits[split]
+        starts = torch.linspace(0, len(tokens) - self.length - 2, self.eval_windows).long()
+        losses = [float(self.loss(model, self._windows(tokens, chunk))) for chunk in starts.split(64)]
+        return statistics.fmean(losses), None
+
+
+class MnistTask(Task):
+    name, pretrain_steps, batch_size = "mnist", 400, 64
+
+    def __init__(self, data: str, quick: bool = False):
+        from fgfw.data import mnist_split
+
+        (x, y), (x_test, y_test) = mnist_split(data)
+        old, new = y < 5, y >= 5
+        x_new, y_new = x[new], y[new]
+        held = torch.arange(len(y_new)) % 4 == 3
+        self.pretrain = (x[old], y[old])
+        self.splits = {"train": (x_new[~held], y_new[~held]), "val": (x_new[held], y_new[held]),
+                       "test": (x_test[y_test >= 5], y_test[y_test >= 5])}
+        if quick:
+            self.pretrain_steps = 5
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def batch(self, split, generator):
+        x, y = self.pretrain if split == "pretrain" else self.splits[split]
+        i = torch.randint(0, len(y), (self.batch_size,), generator=generator)
+        return x[i], y[i]
+
+    def loss(self, model, batch, per_example=False):
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="none" if per_example else "mean")
+
+    @torch.no_grad()
+    def evaluate(self, model, split):
+        x, y = self.splits[split]
+        logits = model(x)
+        return float(F.cross_entropy(logits, y)), float((logits.argmax(1) == y).double().mean())
+
+
+# -- methods -----------------------------------------------------------------------------------------------------------
+def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int):
+    """step(batch) -> training loss of one step of ``method``."""
+    import fgfw
+
+    if method == "mezo":
+        opt = MeZO(model.parameters(), lr=step_size, eps=1e-3, seed=seed)
+        return lambda batch: opt.step(lambda: task.loss(model, batch))
+    if method in ("adam", "frankwolfe"):
+        opt = (torch.optim.Adam(model.parameters(), lr=step_size) if method == "adam" else
+               fgfw.FrankWolfe(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=step_size,
+                               momentum=0.9))
+
+        def step(batch):
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step
+    kind = fgfw.FGFW if method == "fgfw" else fgfw.AFGFW
+    options = dict(estimator="activity") if method == "afgfw_activity" else {}
+    if kind is fgfw.AFGFW:
+        options["averaging_weight"] = 0.1
+    opt = kind(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=step_size, seed=seed,
+               **options)
+    per_example = method == "afgfw_activity"
+    return lambda batch: opt.step(lambda: task.loss(model, batch, per_example))
+
+
+def pretrain(task: Task) -> nn.Module:
+    torch.manual_seed(0)
+    model = task.model()
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(task.pretrain_steps):
+        task.loss(model, task.batch("pretrain", generator)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def fine_tune(task: Task, start: nn.Module, method: str, step_size: float, seed: int, *, passes: int | None = None,
+              seconds: float | None = None, points: int = 10, test: bool = False) -> tuple[dict, list[dict]]:
+    """One fine-tuning run from a copy of ``start`` until ``passes`` forward passes or ``seconds`` of training.
+
+    Returns (the end: validation loss, and the test split's loss and accuracy when ``test``; the validation
+    curve: ``points`` + 1 points, by passes or by seconds)."""
+    model = copy.deepcopy(start)
+    torch.manual_seed(seed)
+    step = make_step(method, model, task, step_size, seed)
+    generator = torch.Generator().manual_seed(1000 + seed)
+    per_step = PASSES_PER_STEP.get(method, 1)
+    curve = [dict(passes=0, seconds=0.0, val_loss=task.evaluate(model, "val")[0])]
+    done = elapsed = 0.0
+    diverged = False
+    next_point = 1
+    while (passes is None or done < passes) and (seconds is None or elapsed < seconds):
+        batch = task.batch("train", generator)
+        begin = time.perf_counter()
+        try:
+            loss = float(step(batch))
+        except ValueError:  # fgfw's check_finite: a non-finite estimate left the parameters as they were
+            loss = float("nan")
+        elapsed += time.perf_counter() - begin
+        done += per_step
+        progress = done / passes if passes is not None else elapsed / seconds
+        if loss != loss or loss == float("inf"):
+            diverged = True
+            break
+        if progress >= next_point / points:
+            curve.append(dict(passes=done, seconds=elapsed, val_loss=task.evaluate(model, "val")[0]))
+            next_point = int(progress * points) + 1
+    end = dict(method=method, step_size=step_size, seed=seed, passes=done, seconds=elapsed, diverged=diverged,
+               val_loss=float("inf") if diverged else task.evaluate(model, "val")[0])
+    if test:
+        end["test_loss"], end["test_accuracy"] = task.evaluate(model, "test") if not diverged else (float("inf"), None)
+    return end, curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=("text", "mnist"), required=True)
+    parser.add_argument("--data", default=os.path.join(HERE, "..", "..", "shared", "data", "mnist"),
+                        help="MNIST IDX folder (task mnist)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--passes", type=int, default=None, help="forward-pass budget (text 400, mnist 2000)")
+    parser.add_argument("--seconds", type=float, default=None, help="wall-clock budget (text 10, mnist 4)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, one seed, one step size")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--figures", default=os.path.join(HERE, "figures"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    task = TextTask(args.quick) if args.task == "text" else MnistTask(args.data, args.quick)
+    passes = args.passes or (4 if args.quick else 400 if args.task == "text" else 2000)
+    seconds = args.seconds or (0.2 if args.quick else 10.0 if args.task == "text" else 4.0)
+    methods = args.methods.split(",")
+    grids = {m: GRIDS[m][1:2] if args.quick else GRIDS[m] for m in methods}
+    seeds = SEEDS[:1] if args.quick else SEEDS
+
+    from fgfw.experiments import write_csv
+
+    began = time.perf_counter()
+    start = pretrain(task)
+    start_val = task.evaluate(start, "val")[0]
+    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps), validation loss on the new task "
+          f"{start_val:.4f}", flush=True)
+    ends, curves = [], []
+    chosen = {}
+    for method in methods:
+        scores = []
+        for step_size in grids[method]:
+            end, _ = fine_tune(task, start, method, step_size, 0, passes=passes)
+            ends.append(dict(end, phase="select"))
+            scores.append((end["val_loss"], step_size))
+            print(f"  select {method} step {step_size:g}: validation loss {end['val_loss']:.4f}", flush=True)
+        best = min(scores)[1]
+        edge = len(grids[method]) > 1 and best in (grids[method][0], grids[method][-1])
+        chosen[method] = (best, edge)
+    for method in methods:
+        for budget in ("passes", "seconds"):
+            for seed in seeds:
+                end, curve = fine_tune(task, start, method, chosen[method][0], seed, test=True,
+                                       **{budget: passes if budget == "passes" else seconds})
+                ends.append(dict(end, phase=budget, at_grid_edge=chosen[method][1]))
+                curves += [dict(point, method=method, seed=seed, budget=budget) for point in curve]
+                print(f"  {method} ({budget}) seed {seed}: {end['passes']:.0f} passes, {end['seconds']:.1f} s, test "
+                      f"loss {end['test_loss']:.4f}" + (f", accuracy {end['test_accuracy']:.4f}"
+                                                        if end.get("test_accuracy") is not None else ""), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.figures, exist_ok=True)
+    write_csv(os.path.join(args.out, f"finetune_{task.name}.csv"), ends)
+    write_csv(os.path.join(args.out, f"finetune_{task.name}_curves.csv"), curves)
+    plot(os.path.join(args.figures, f"finetune_{task.name}.png"), curves, start_val, task.name)
+    print_summary(ends, chosen, start_val, time.perf_counter() - began)
+
+
+def print_summary(ends: list[dict], chosen: dict, start_val: float, took: float) -> None:
+    print(f"\nvalidation loss of the pre-trained start on the new task: {start_val:.4f}; {took:.0f} s in all")
+    print(f"{'method':<16} {'step':>8} {'budget':<8} {'passes':>8} {'seconds':>8} {'test loss (mean +- sd)':>24} "
+          f"{'test acc. %':>14}")
+    for method, (step_size, edge) in chosen.items():
+        for budget in ("passes", "seconds"):
+            runs = [e for e in ends if e["method"] == method and e["phase"] == budget]
+            losses = [e["test_loss"] for e in runs]
+            accs = [100 * e["test_accuracy"] for e in runs if e.get("test_accuracy") is not None]
+            spread = lambda v: f"{statistics.fmean(v):.4f} +- {statistics.stdev(v):.4f}" if len(v) > 1 else \
+                f"{v[0]:.4f}"  # noqa: E731
+            print(f"{method:<16} {step_size:>8g}{'*' if edge else ' '} {budget:<8} "
+                  f"{statistics.fmean(e['passes'] for e in runs):8.0f} {statistics.fmean(e['seconds'] for e in runs):8.1f} "
+                  f"{spread(losses):>24} {spread(accs) if accs else '':>14}")
+    print("* the chosen step size is at the edge of its grid")
+
+
+def plot(path: str, curves: list[dict], start_val: float, name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, budget, key, label in ((axes[0], "passes", "passes", "forward passes"),
+                                   (axes[1], "seconds", "seconds", "training seconds (1 thread, shared CPU)")):
+        for method in dict.fromkeys(c["method"] for c in curves):
+            for seed in dict.fromkeys(c["seed"] for c in curves):
+                points = [c for c in curves if c["method"] == method and c["budget"] == budget and c["seed"] == seed]
+                ax.plot([p[key] for p in points], [p["val_loss"] for p in points], color=f"C{METHODS.index(method)}",
+                        alpha=0.8, lw=1.2, label=method if seed == 0 else None)
+        ax.axhline(start_val, color="k", ls=":", lw=1, label="pre-trained start")
+        ax.set(xlabel=label, ylabel="validation loss", yscale="log", title=f"{name}: equal {label.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

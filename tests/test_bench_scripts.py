@@ -1,0 +1,100 @@
+"""Smoke runs of issue 23's scripts at their smallest settings: bench/real_models.py, examples/finetune_gpt2.py
+(and bench/finetune.py). They need Hugging Face transformers and torchvision, which fgfw itself does not:
+without them these tests skip and say so.
+
+Beyond "it ran", each checks what its numbers must satisfy whatever the machine: the optimizers' state is
+exactly what the algorithms keep (Adam two parameter-sized moments, FrankWolfe and AFGFW one momentum, MeZO
+none), a step's measured peak above the weights holds that state, the reference rows' ratios are 1.
+"""
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def needs(*modules):
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (not an fgfw dependency): "
+                                                    f"pip install {' '.join(missing)}")
+
+
+def run(*command, timeout=600):
+    result = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def rows_of(path):
+    with open(path, newline="") as f:
+        return {(r["model"], r["method"]): r for r in csv.DictReader(f)}
+
+
+@needs("transformers")
+def test_real_models_gpt2(tmp_path):
+    methods = ("forward", "adam", "frankwolfe", "afgfw_lean", "mezo")
+    out = run("bench/real_models.py", "--preset", "tiny", "--models", "gpt2", "--methods", ",".join(methods),
+              "--rounds", "1", "--repeats", "1", "--out", str(tmp_path), "--figures", str(tmp_path))
+    rows = rows_of(tmp_path / "real_models_tiny.csv")
+    assert set(rows) == {("gpt2", m) for m in methods}
+    assert (tmp_path / "real_models_tiny.png").stat().st_size > 0
+    weights = float(rows["gpt2", "forward"]["weights_mib"])
+    state = {m: float(rows["gpt2", m]["state_mib"]) for m in methods}
+    assert state == pytest.approx(dict(forward=0, adam=2 * weights, frankwolfe=weights, afgfw_lean=weights, mezo=0))
+    for m in methods:
+        assert float(rows["gpt2", m]["above_weights_mib"]) >= state[m]
+    assert float(rows["gpt2", "frankwolfe"]["time_vs_frankwolfe"]) == 1.0
+    assert float(rows["gpt2", "mezo"]["memory_vs_mezo"]) == 1.0
+    assert "afgfw_lean" in out and "cores" in out  # the table and the machine it ran on
+
+
+@needs("torchvision")
+def test_real_models_resnet_batchnorm_takes_k_passes(tmp_path):
+    # ResNet-18's BatchNorm in train mode cannot carry K tangents in one pass: the script falls back to K
+    # passes. 11.7 M float32 parameters: the momentum (44.7 MiB) must show in the measured peak
+    run("bench/real_models.py", "--preset", "tiny", "--models", "resnet18", "--methods", "afgfw_lean_k4",
+        "--rounds", "1", "--repeats", "1", "--out", str(tmp_path), "--figures", str(tmp_path))
+    row = rows_of(tmp_path / "real_models_tiny.csv")["resnet18", "afgfw_lean_k4"]
+    assert float(row["state_mib"]) == pytest.approx(float(row["weights_mib"]))
+    assert float(row["weights_mib"]) > 40
+    assert float(row["above_weights_mib"]) >= float(row["state_mib"])
+
+
+@needs("transformers")
+def test_finetune_gpt2_example(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = run("examples/finetune_gpt2.py", "--text", str(text), "--steps", "3", "--batch", "2", "--length", "16",
+              "--layers", "1", "--width", "32", "--num-tangents", "2")
+    memory = [line for line in out.splitlines() if "MiB" in line]
+    assert len(memory) == 2 and "AFGFW" in memory[0] and "backprop" in memory[1]
+    afgfw, backprop = (float(line.split("MiB")[0].split()[-1]) for line in memory)
+    assert 0 < afgfw and 0 < backprop
+    assert "validation loss" in out
+
+
+MNIST = os.path.join(ROOT, "..", "shared", "data", "mnist")
+
+
+@pytest.mark.skipif(not os.path.isdir(MNIST), reason=f"needs the MNIST IDX files at {MNIST}")
+def test_finetune_mnist_quick(tmp_path):
+    out = run("bench/finetune.py", "--task", "mnist", "--data", MNIST, "--quick", "--out", str(tmp_path),
+              "--figures", str(tmp_path))
+    with open(tmp_path / "finetune_mnist.csv", newline="") as f:
+        ends = list(csv.DictReader(f))
+    methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo"}
+    # one selection run per method (one step size in --quick), then one seed at each budget
+    assert sorted(e["phase"] for e in ends) == sorted(["select", "passes", "seconds"] * len(methods))
+    for e in ends:
+        if e["phase"] == "passes":
+            assert float(e["passes"]) == 4  # the budget, in forward passes: MeZO's steps count 2
+        if e["phase"] != "select":
+            assert e["test_loss"] != ""  # the test split is read at the end of every final run, and only there
+        else:
+            assert e.get("test_loss", "") == ""
+    assert "validation loss of the pre-trained start" in out
+    assert (tmp_path / "finetune_mnist.png").stat().st_size > 0
