@@ -184,3 +184,38 @@ def check_errors_name_the_op(step, name: str, extra: dict, device) -> None:
     with pytest.raises(RuntimeError, match=re.escape(f"{name}: radii must hold one radius per ball")):
         step(p, [], grads, schedule, coeffs, [1.0, 2.0], False, [0], 0, GAUSSIAN, gap, [], **extra)
     assert torch.equal(p[0].cpu(), torch.zeros(4))
+
+
+# Directions near the limits of their dtype: the largest finite values, the smallest normal ones and subnormals.
+EXTREME_MAGNITUDES = {torch.float64: (1.7976931348623157e308, 1e308, 2.2250738585072014e-308, 4e-320),
+                      torch.float32: (3.4028234663852886e38, 1.1754943508222875e-38, 1e-45)}
+
+
+def check_lp_directions_near_the_limits(step, device) -> None:
+    """The Lp step of directions whose every |d_i| is near the largest or the smallest value of the dtype: the
+    reference's vertex, -r sign(d) n^(-1/p) for n equal |d_i| (x = |d| / max|d| is 1 everywhere, ||x||_q = n^(1/q)),
+    and the kernel's within the Lp tolerance. Before, the compiled CPU step scaled by 1 / (max|d| ||x||_q), which
+    overflows to a zero vertex (s = 0, gap 0) for float64 |d| ~ 1e308 and is infinite for subnormal |d|."""
+    alpha, radius, n = 0.5, 0.7, 8
+    for dtype, magnitudes in EXTREME_MAGNITUDES.items():
+        cdt = ref.compute_dtype(dtype)
+        rtol = 8 * torch.finfo(cdt).eps
+        for magnitude in magnitudes:
+            grad = torch.full((n,), magnitude, dtype=dtype)
+            grad[3] = -grad[3]
+            grad[6] = -grad[6]
+            for p in (2.0, 1.5, 3.0, 1.01):
+                outs = []
+                for fn in (ref.lp_fw_step_, step):
+                    params = [torch.zeros(n, dtype=dtype, device=device)]
+                    gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
+                    fn(params, [], [grad.to(device)], torch.tensor([1.0, alpha, 0.0], dtype=torch.float64, device=device),
+                       torch.zeros(0, dtype=torch.float64, device=device), [radius], False, [], 0, GAUSSIAN, gap, [],
+                       p=p)
+                    outs.append((params[0].cpu().double(), float(gap)))
+                expected = -alpha * radius * torch.sign(grad.double()) * n ** (-1 / p)
+                where = f"{dtype}, |d| = {magnitude:g}, p = {p}"
+                torch.testing.assert_close(outs[0][0], expected, rtol=rtol, atol=0, msg=lambda s: f"reference, {where}: {s}")
+                torch.testing.assert_close(outs[1][0], outs[0][0], rtol=rtol, atol=0, msg=lambda s: f"kernel, {where}: {s}")
+                # <d, -s> = n |d| r n^(-1/p): finite, or inf as the reference's float64 sum overflows
+                assert outs[1][1] == pytest.approx(outs[0][1], rel=1e-6), where

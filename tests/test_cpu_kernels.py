@@ -398,3 +398,7 @@ def test_step_argument_errors_name_their_op(fgfw_ops, name, extra):
 @pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("ksparse", 5_000)])
 def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, param):
     set_cases.check_nonfinite_directions(getattr(fgfw_ops, set_cases.SETS[kind][0].__name__), "cpu", kind, param)
+
+
+def test_lp_step_of_directions_near_the_dtype_limits(fgfw_ops):
+    set_cases.check_lp_directions_near_the_limits(fgfw_ops.lp_fw_step_, "cpu")

@@ -187,6 +187,10 @@ def test_lp_huge_magnitudes_do_not_overflow(set_ops, p):
     torch.testing.assert_close(got[0], p_ref[0], rtol=1e-6, atol=1e-8)
 
 
+def test_lp_step_of_directions_near_the_dtype_limits(set_ops):
+    set_cases.check_lp_directions_near_the_limits(set_ops.lp_fw_step_, CUDA)
+
+
 @pytest.mark.parametrize("kind,param", KINDS)
 def test_lp_and_friends_on_zero_directions(set_ops, kind, param):
     # d = 0 on a whole ball: the Lp vertex is 0 (the reference's zero vertex), the L-infinity and k-sparse

@@ -148,6 +148,10 @@ def test_lp_norm_neither_overflows_nor_underflows_across_chunks():
         assert all(bool(torch.isfinite(x).all()) for x in runs[1][0])
 
 
+def test_lp_step_of_directions_near_the_dtype_limits():
+    set_cases.check_lp_directions_near_the_limits(set_steps.lp_fw_step_, DEVICE)
+
+
 def test_zero_and_nan_directions_as_the_reference():
     """An all-zero ball: the Lp vertex is 0 (theta only shrinks), the k-sparse one takes the first k elements
     (every |d| ties) with sign 0. A NaN: the Lp ball's vertex is NaN everywhere; the k-sparse and L-infinity

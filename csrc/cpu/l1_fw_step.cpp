@@ -398,8 +398,8 @@ void linf_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> r
 // (reference.lp_vertex). Pass 1 makes d (and the momentum) and reduces (M, ||d / M||_q^q) per ball; pass 2
 // makes d again (reads the momentum, or regenerates the tangents: no buffer of d) and writes
 // theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s). Not bit-exact with the
-// reference (the norm is summed in another order; y = |d| / (M N) is one product by a reciprocal): within
-// a few float64 ulps before s is rounded to the compute type.
+// reference (the norm is summed in another order, and pow is libm's): within a few float64 ulps before s is
+// rounded to the compute type.
 
 // The powers x^q and y^(q-1) of the step: closed forms for the common exponents (std::pow costs ~20 ns and
 // does not vectorise), std::pow otherwise.
@@ -467,15 +467,16 @@ ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& 
     block.max = top > AbsBits<acc_t>::kInf ? std::numeric_limits<double>::quiet_NaN()
                                            : static_cast<double>(AbsBits<acc_t>::value(top));
     if (block.max > 0) {
-      const double inverse = 1.0 / block.max;
+      // |d| / max, a division as the reference's: 1 / max is subnormal above 2^1022 and infinite for a
+      // subnormal max, so a product by it loses the terms or makes them infinite
       double lanes[kLanes] = {};
       int e = 0;
       for (; e + kLanes <= n; e += kLanes) {
         for (int l = 0; l < kLanes; ++l) {
-          lanes[l] += powers.to_q(std::abs(static_cast<double>(d_block[e + l])) * inverse);
+          lanes[l] += powers.to_q(std::abs(static_cast<double>(d_block[e + l])) / block.max);
         }
       }
-      for (; e < n; ++e) lanes[0] += powers.to_q(std::abs(static_cast<double>(d_block[e])) * inverse);
+      for (; e < n; ++e) lanes[0] += powers.to_q(std::abs(static_cast<double>(d_block[e])) / block.max);
       for (int l = 0; l < kLanes; ++l) block.sum += lanes[l];
     }
     combine(total, block, powers);
@@ -490,9 +491,11 @@ double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, con
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   const acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  // y = |d| / (M N) with N = ||d / M||_q; a zero ball (M = 0) has the vertex 0, a NaN one NaN everywhere
+  // y = (|d| / M) / N with N = ||d / M||_q, divided in that order as the reference does: M N overflows for
+  // |d| near the float64 maximum (and 1 / M for a subnormal M). A zero ball (M = 0) has the vertex 0, a NaN one
+  // NaN everywhere.
   const bool zero = ball.max == 0;
-  const double scale = zero ? 0.0 : 1.0 / (ball.max * powers.root(ball.sum));
+  const double norm = powers.root(ball.sum);
   alignas(64) double gap_terms[kBlock];
   double gap[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
@@ -501,7 +504,7 @@ double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, con
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
       const double d = static_cast<double>(d_at[e]);
-      const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) * scale);
+      const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) / ball.max / norm);
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
       gap_terms[e] = d * (static_cast<double>(old) - s);
