@@ -186,10 +186,12 @@ FGFW_HOST_DEVICE acc_t radius_down(double radius) {
   return static_cast<double>(rounded) > radius ? feasibility_detail::toward_zero(rounded) : rounded;
 }
 
-// x held within [-bound, bound] (NaN stays NaN).
+// x held within [-bound, bound] (bound >= 0; NaN stays NaN). Written as a min then a max whose second operand
+// wins ties and NaN: each is one SSE minps / maxps.
 template <typename T>
 FGFW_HOST_DEVICE T at_most(T x, T bound) {
-  return x > bound ? bound : (x < -bound ? -bound : x);
+  const T below = bound < x ? bound : x;
+  return -bound > below ? -bound : below;
 }
 
 // One element of a dense step: theta_new = RN(t + RN(RN(alpha) RN(s' - t))) with t = RN(scale theta) and

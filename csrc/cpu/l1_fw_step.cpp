@@ -199,26 +199,26 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, double unit
 
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
   alignas(64) acc_t theta_old[kBlock];
-  alignas(64) acc_t theta_new[kBlock];
   double dot[kLanes] = {};
-  uint64_t old_units[kLanes] = {}, new_units[kLanes] = {};
 
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
     const acc_t* d_at = direction.template directions<kMomentum>(begin, n, v);
 
     scalar_t* const theta_b = theta + begin;
+    // The norm sums in one running sum each (integers: any order gives the same; indexed lanes keep gcc from
+    // vectorising). A block's kBlock terms of at most 2^51 stay below 2^62.
+    uint64_t block_old = 0, block_new = 0;
     for (int e = 0; e < n; ++e) {
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_old[e] = old;
       const scalar_t stored = static_cast<scalar_t>(args.keep_theta * old);
       theta_b[e] = stored;
-      theta_new[e] = static_cast<acc_t>(stored);
+      block_old += norm_units(std::abs(static_cast<double>(old)) * units_factor);
+      block_new += norm_units(std::abs(static_cast<double>(stored)) * units_factor);
     }
-    for (int e = 0; e < n; ++e) {
-      old_units[e % kLanes] += norm_units(std::abs(static_cast<double>(theta_old[e])) * units_factor);
-      new_units[e % kLanes] += norm_units(std::abs(static_cast<double>(theta_new[e])) * units_factor);
-    }
+    part.old_units = saturating_add(part.old_units, block_old);
+    part.new_units = saturating_add(part.new_units, block_new);
 
     // The block's dot product in kLanes running sums, and its largest |d| as an integer.
     int e = 0;
@@ -248,12 +248,7 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, double unit
       }
     }
   }
-  // a lane holds at most kSegment / kLanes = 2^11 terms of at most 2^51: below 2^62
-  for (int l = 0; l < kLanes; ++l) {
-    part.dot += dot[l];
-    part.old_units = saturating_add(part.old_units, old_units[l]);
-    part.new_units = saturating_add(part.new_units, new_units[l]);
-  }
+  for (int l = 0; l < kLanes; ++l) part.dot += dot[l];
 }
 
 // The balls of a step in the order of their radii (tensors in order, rows in order within a tensor), cut
@@ -572,6 +567,7 @@ LpShare lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, co
   // NaN everywhere.
   const bool zero = ball.max == 0;
   const double norm = powers.root(ball.sum);
+  const double inverse_radius = 1.0 / radius;
   alignas(64) double gap_terms[kBlock];
   alignas(64) double stored_terms[kBlock];
   alignas(64) double exact_terms[kBlock];
@@ -594,10 +590,11 @@ LpShare lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, co
     }
     add_in_lanes<double>(gap, gap_terms, nullptr, n);
     if (feedback) {
-      for (int e = 0; e < n; ++e) {
-        stored[e % kLanes] += powers.to_p(stored_terms[e] / radius);
-        exact[e % kLanes] += powers.to_p(exact_terms[e] / radius);
-      }
+      // |x| / r as |x| (1 / r): an ulp off the reference's quotient, a product where a quotient costs 4x
+      for (int e = 0; e < n; ++e) stored_terms[e] = powers.to_p(stored_terms[e] * inverse_radius);
+      for (int e = 0; e < n; ++e) exact_terms[e] = powers.to_p(exact_terms[e] * inverse_radius);
+      add_in_lanes<double>(stored, stored_terms, nullptr, n);
+      add_in_lanes<double>(exact, exact_terms, nullptr, n);
     }
   }
   LpShare total;
@@ -764,29 +761,38 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
     const double scale = ball_scales.scale[b];
     const double factor = units_factor(static_cast<double>(k) * radius);
     scalar_t* const theta = params[seg.tensor].template data_ptr<scalar_t>();
-    double share[kLanes] = {};
-    uint64_t stored[kLanes] = {}, exact[kLanes] = {};
-    for (int64_t i = seg.begin; i < seg.end; ++i) {
-      const acc_t d = d_seg[i - seg.begin];
-      const bits_t key = AbsBits<acc_t>::of(d);
-      bool chosen = key > selection.threshold;
-      if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
-      const double s64 = chosen ? -radius * sign_of(static_cast<double>(d)) : 0.0;
-      const acc_t old = static_cast<acc_t>(theta[i]);
-      double exact_i;
-      const scalar_t stored_i =
-          static_cast<scalar_t>(dense_update<true>(old, s64, args.alpha, args.alpha_c, scale, bound, radius, exact_i));
-      theta[i] = stored_i;
-      share[i % kLanes] += static_cast<double>(d) * (static_cast<double>(old) - s64);
-      stored[i % kLanes] += norm_units(std::abs(static_cast<double>(stored_i)) * factor);
-      exact[i % kLanes] += norm_units(std::abs(exact_i) * factor);
+    alignas(64) double vertex[kBlock];
+    alignas(64) double gap_terms[kBlock];
+    double gap[kLanes] = {};
+    Share total;
+    for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+      const acc_t* d_b = d_seg + (begin - seg.begin);
+      // the vertex, in index order (the ties' rank), apart from the update: that loop then vectorises
+      for (int e = 0; e < n; ++e) {
+        const bits_t key = AbsBits<acc_t>::of(d_b[e]);
+        bool chosen = key > selection.threshold;
+        if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
+        vertex[e] = chosen ? -radius * sign_of(static_cast<double>(d_b[e])) : 0.0;
+      }
+      scalar_t* const theta_b = theta + begin;
+      // the norm sums: integers, the same in any order; kBlock terms of at most 2^51 stay below 2^62
+      uint64_t block_stored = 0, block_exact = 0;
+      for (int e = 0; e < n; ++e) {
+        const acc_t old = static_cast<acc_t>(theta_b[e]);
+        double exact_e;
+        const scalar_t stored_e = static_cast<scalar_t>(
+            dense_update<true>(old, vertex[e], args.alpha, args.alpha_c, scale, bound, radius, exact_e));
+        theta_b[e] = stored_e;
+        gap_terms[e] = static_cast<double>(d_b[e]) * (static_cast<double>(old) - vertex[e]);
+        block_stored += norm_units(std::abs(static_cast<double>(stored_e)) * factor);
+        block_exact += norm_units(std::abs(exact_e) * factor);
+      }
+      add_in_lanes<double>(gap, gap_terms, nullptr, n);
+      total.stored = saturating_add(total.stored, block_stored);
+      total.exact = saturating_add(total.exact, block_exact);
     }
-    Share total;  // a lane holds at most kSegment / kLanes = 2^11 terms of at most 2^51: below 2^62
-    for (int l = 0; l < kLanes; ++l) {
-      total.gap += share[l];
-      total.stored = saturating_add(total.stored, stored[l]);
-      total.exact = saturating_add(total.exact, exact[l]);
-    }
+    for (int l = 0; l < kLanes; ++l) total.gap += gap[l];
     return total;
   };
 
