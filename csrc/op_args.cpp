@@ -136,6 +136,24 @@ void check_fw_step_args(const char* op, at::TensorList params, at::TensorList mo
               gap.sizes());
 }
 
+void check_scales(const char* op, at::TensorList params, at::TensorList scales, bool global_ball,
+                  c10::IntArrayRef row_numel) {
+  if (scales.empty()) return;
+  const size_t want = global_ball ? 1 : params.size();
+  TORCH_CHECK(scales.size() == want, op, ": scales must be empty (no norm feedback) or hold ",
+              global_ball ? "one tensor for the global ball" : "one tensor per parameter", " (", want, "), got ",
+              scales.size());
+  for (size_t t = 0; t < scales.size(); ++t) {
+    const int64_t balls = global_ball ? 1 : num_balls(params[t].numel(), row_length(row_numel, t));
+    const at::Tensor& x = scales[t];
+    TORCH_CHECK(x.scalar_type() == at::kDouble && x.numel() == balls && x.is_contiguous(), op, ": scales[", t,
+                "] must be a contiguous float64 tensor of ", balls, " element(s) (one per ball), got ",
+                x.scalar_type(), " of shape ", x.sizes());
+    TORCH_CHECK(params.empty() || x.device() == params[0].device(), op, ": scales[", t, "] must be on ",
+                params[0].device(), " like the params, got ", x.device());
+  }
+}
+
 void check_lp_exponent(double p) {
   TORCH_CHECK(p > 1 && std::isfinite(p), "lp_fw_step_: p must satisfy 1 < p < inf (p = 1 and inf are the L1 and "
               "L-infinity steps), got ", p);

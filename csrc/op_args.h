@@ -27,6 +27,11 @@ void check_fw_step_args(const char* op, at::TensorList params, at::TensorList mo
                         bool global_ball, c10::IntArrayRef offsets, int64_t distribution, const at::Tensor& gap,
                         c10::IntArrayRef row_numel);
 
+// The norm feedback's state of lp_fw_step_ and ksparse_fw_step_: empty, or float64 tensors on the params' device,
+// contiguous, one per parameter with one element per ball of it (one tensor of one element for the global ball).
+void check_scales(const char* op, at::TensorList params, at::TensorList scales, bool global_ball,
+                  c10::IntArrayRef row_numel);
+
 // The set parameters of lp_fw_step_ (1 < p < inf) and ksparse_fw_step_ (k >= 1).
 void check_lp_exponent(double p);
 void check_ksparse_k(int64_t k);

@@ -27,17 +27,20 @@ TORCH_LIBRARY(fgfw, m) {
       "Tensor(c!) gap, int[] row_numel=[]) -> ()");
   // The same step over Lp ball(s), 1 < p < inf (p = 2: the L2 ball): per ball a reduction pass for max|d| and
   // ||d / max|d| ||_q, then the update pass with s_i = -r sign(d_i) (x_i / ||x||_q)^(q-1)
-  // (reference.lp_fw_step_).
+  // (reference.lp_fw_step_). scales: the norm feedback's state, float64, one per ball of each tensor (one tensor
+  // of one element for the global ball), read and written; empty: no feedback (docs/feasibility.md). Every
+  // argument is required: a tensor list cannot have a default, nor follow arguments that have one.
   m.def(
       "lp_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
-      "Tensor(c!) gap, int[] row_numel=[], float p=2.0) -> ()");
+      "Tensor(c!) gap, int[] row_numel, float p, Tensor(d!)[] scales) -> ()");
   // The same step over k-sparse polytope(s) of radius r: s = -r sign(d) on the k largest |d| of each ball
-  // (ties: lowest index), found by a selection of the k-th largest |d| (reference.ksparse_fw_step_).
+  // (ties: lowest index), found by a selection of the k-th largest |d| (reference.ksparse_fw_step_). scales: as
+  // lp_fw_step_'s, for ||theta||_1 <= k r.
   m.def(
       "ksparse_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
-      "Tensor(c!) gap, int[] row_numel=[], int k=1) -> ()");
+      "Tensor(c!) gap, int[] row_numel, int k, Tensor(d!)[] scales) -> ()");
   // Whether every element of every tensor is finite (the optimizers' check_finite). CPU kernel only.
   m.def("all_finite(Tensor[] tensors) -> bool");
 }

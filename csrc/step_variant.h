@@ -12,21 +12,18 @@ namespace fgfw {
 // Where the direction g comes from: a regenerated tangent (sum_k coeff_k u_k) or the gradient.
 enum class Source { kGaussian, kRademacher, kGrad };
 
-// The step's two factors in the compute type (reference.step_factors): theta_i <- keep theta_i, then
-// theta_i* <- theta_i* + alpha_vertex s_i*. Both carry kappa = 1 - 4u (u the unit roundoff of acc_t):
-// with every operation rounded to nearest, each stored |theta_i| stays at most its exact convex-
-// combination value, so the iterate never leaves its ball (reference.feasibility_shrink). A subtraction
-// then a product, and a lone product: nothing a compiler could contract into an FMA.
+// The step's two factors in the compute type (reference.step_factors): keep = RN(1 - alpha), from alpha in float64
+// (the L1 step scales every element by it, then sets the vertex element: feasibility.h), and alpha rounded (the
+// dense steps' theta + alpha (s - theta)). Neither carries a shrink: what keeps the iterates in their sets is in
+// feasibility.h (docs/feasibility.md).
 template <typename acc_t>
 struct StepFactors {
-  acc_t keep, alpha_vertex;
+  acc_t keep, alpha;
 };
 
 template <typename acc_t>
 FGFW_HOST_DEVICE StepFactors<acc_t> step_factors(double alpha) {
-  constexpr acc_t kappa = acc_t(1) - acc_t(4) * (std::is_same_v<acc_t, double> ? 0x1p-53 : 0x1p-24);
-  const acc_t a = static_cast<acc_t>(alpha);
-  return {(acc_t(1) - a) * kappa, a * kappa};
+  return {static_cast<acc_t>(1.0 - alpha), static_cast<acc_t>(alpha)};
 }
 
 // Calls run(std::integral_constant<Source, ...>, std::bool_constant<momentum>) for the variant that

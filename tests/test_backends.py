@@ -55,7 +55,7 @@ def test_cpu_kernel_trajectory_equals_the_reference(tangent):
     params_ref, gaps_ref = _trajectory("torch", tangent)
     params_cpu, gaps_cpu = _trajectory("cpu", tangent)
     # The parameters see the direction d only through its argmax and sign (theta <- keep theta, then the vertex
-    # element moves by alpha_vertex (-r sign d_i*)), so they are equal bit for bit with either tangent: with
+    # element from -r sign d_i* and the ball's norm sums), so they are equal bit for bit with either tangent: with
     # Rademacher ones every input of the step is the reference's bit for bit, and with Gaussian ones a few
     # float32 ulps in d move no argmax here (a move would be a step to another vertex, which no tolerance
     # would absorb).

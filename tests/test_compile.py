@@ -93,7 +93,7 @@ def _assert_compiled_once_and_reused(counts):
 
 def _assert_same_run(got, expected, gap_rel):
     # The parameters see the direction d only through its argmax and sign (theta <- keep theta, then the
-    # vertex element moves by alpha_vertex (-r sign d_i*)): a rounding difference in d that leaves the argmax
+    # vertex element from -r sign d_i* and the ball's norm sums): a rounding difference in d that leaves the argmax
     # alone leaves them bit for bit equal, and one that moves it is a step to another vertex, which no
     # tolerance would absorb.
     for p, q in zip(got[0], expected[0]):
@@ -191,10 +191,14 @@ def test_cpp_ops_pass_opcheck(fgfw_ops):
         torch.library.opcheck(fgfw_ops.l1_fw_step_.default, args)
         # row balls: 5 = one ball, 7 = 7 rows of 1, one radius each
         torch.library.opcheck(fgfw_ops.l1_fw_step_.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1]))
-        for op, extra in ((fgfw_ops.linf_fw_step_, ()), (fgfw_ops.lp_fw_step_, (3.0,)),
-                          (fgfw_ops.ksparse_fw_step_, (2,))):
+        # the Lp and k-sparse ops: their parameter, then the norm feedback's scales (none, and one per ball)
+        scales = lambda counts: [torch.ones(c, dtype=torch.float64) for c in counts]  # noqa: E731
+        for op, extra, rows_extra in ((fgfw_ops.linf_fw_step_, (), ()),
+                                      (fgfw_ops.lp_fw_step_, (3.0, scales([1, 1])), (3.0, scales([1, 7]))),
+                                      (fgfw_ops.lp_fw_step_, (3.0, []), (3.0, [])),
+                                      (fgfw_ops.ksparse_fw_step_, (2, scales([1, 1])), (2, scales([1, 7])))):
             torch.library.opcheck(op.default, (*args, [], *extra))
-            torch.library.opcheck(op.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1], *extra))
+            torch.library.opcheck(op.default, (*args[:5], [1.0] * 8, *args[6:], [0, 1], *rows_extra))
 
 
 def test_triton_and_counter_ops_pass_opcheck():

@@ -46,12 +46,11 @@ def test_ties_lowest_index_wins_per_tensor(fgfw_ops):
     expected, got = run_both(fgfw_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0], offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = got[0]
-    # tensor 0: |d| = 0.5 at 1, 3, 4 -> index 1 (d < 0, so s = +r); tensor 1: 0.3 at 1, 2, 3 -> index 1
-    # theta <- keep theta, then the winner moves by alpha_vertex s (both factors carry kappa = 1 - 4u)
-    keep, alpha_vertex = ref.step_factors(0.5, torch.float32)
-    expected0, expected1 = keep * torch.full((6,), 0.5), keep * torch.full((4,), -0.25)
-    expected0[1] += alpha_vertex * 1.0
-    expected1[1] += alpha_vertex * -2.0
+    # tensor 0: |d| = 0.5 at 1, 3, 4 -> index 1 (d < 0, so s = +r); tensor 1: 0.3 at 1, 2, 3 -> index 1.
+    # Every value here is exact in float32: the step is the exact (1 - alpha) theta + alpha s.
+    expected0, expected1 = 0.5 * torch.full((6,), 0.5), 0.5 * torch.full((4,), -0.25)
+    expected0[1] += 0.5 * 1.0
+    expected1[1] += 0.5 * -2.0
     assert torch.equal(theta[0], expected0) and torch.equal(theta[1], expected1)
 
 
@@ -63,8 +62,9 @@ def test_ties_across_tensors_first_tensor_wins_in_global_ball(fgfw_ops):
                              offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = got[0]
-    _, alpha_vertex = ref.step_factors(1.0, torch.float32)
-    assert torch.equal(theta[0], torch.stack([torch.tensor(0.0), torch.tensor(0.0), alpha_vertex * -3.0]))
+    # the vertex -r e_2 of tensor 0, one float32 below r: the step keeps the stored norm under r with a margin of
+    # a few float64 ulps, which rounding to float32 takes to the next value down (reference.l1_vertex_value)
+    assert torch.equal(theta[0], torch.tensor([0.0, 0.0, -torch.nextafter(torch.tensor(3.0), torch.tensor(0.0))]))
     assert not theta[1].any() and not theta[2].any()
 
 
@@ -365,7 +365,8 @@ def test_set_steps_do_not_depend_on_the_thread_count(fgfw_ops, threads):
             torch.set_num_threads(n)
             gen = torch.Generator().manual_seed(3)
             params = [torch.randn(1 << 16, generator=gen) * 1e-3]
-            for op, extra in ((fgfw_ops.lp_fw_step_, dict(p=3.0)), (fgfw_ops.ksparse_fw_step_, dict(k=100))):
+            for op, extra in ((fgfw_ops.lp_fw_step_, dict(p=3.0, scales=[])),
+                              (fgfw_ops.ksparse_fw_step_, dict(k=100, scales=[]))):
                 p = [params[0].clone()]
                 gap = torch.zeros((), dtype=torch.float64)
                 op(p, [], [], torch.tensor([2.0, 0.1, 0.0], dtype=torch.float64),
@@ -383,14 +384,15 @@ def test_set_steps_refuse_bad_parameters(fgfw_ops):
             [1.0], False, [0], 0, GAUSSIAN, torch.zeros((), dtype=torch.float64), [])
     for bad in (1.0, 0.5, float("inf"), float("nan")):
         with pytest.raises(RuntimeError, match="p must satisfy 1 < p < inf"):
-            fgfw_ops.lp_fw_step_(p, *args, p=bad)
+            fgfw_ops.lp_fw_step_(p, *args, p=bad, scales=[])
     with pytest.raises(RuntimeError, match="k must be >= 1"):
-        fgfw_ops.ksparse_fw_step_(p, *args, k=0)
+        fgfw_ops.ksparse_fw_step_(p, *args, k=0, scales=[])
     assert torch.equal(p[0], torch.zeros(4))  # nothing moved
 
 
-@pytest.mark.parametrize("name,extra", [("l1_fw_step_", {}), ("linf_fw_step_", {}), ("lp_fw_step_", dict(p=3.0)),
-                                        ("ksparse_fw_step_", dict(k=2))])
+@pytest.mark.parametrize("name,extra", [("l1_fw_step_", {}), ("linf_fw_step_", {}),
+                                        ("lp_fw_step_", dict(p=3.0, scales=[])),
+                                        ("ksparse_fw_step_", dict(k=2, scales=[]))])
 def test_step_argument_errors_name_their_op(fgfw_ops, name, extra):
     set_cases.check_errors_name_the_op(getattr(fgfw_ops, name), name, extra, "cpu")
 
@@ -398,3 +400,7 @@ def test_step_argument_errors_name_their_op(fgfw_ops, name, extra):
 @pytest.mark.parametrize("kind,param", [("linf", None), ("lp", 2.0), ("lp", 3.0), ("ksparse", 3), ("ksparse", 5_000)])
 def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, param):
     set_cases.check_nonfinite_directions(getattr(fgfw_ops, set_cases.SETS[kind][0].__name__), "cpu", kind, param)
+
+
+def test_lp_step_of_directions_near_the_dtype_limits(fgfw_ops):
+    set_cases.check_lp_directions_near_the_limits(fgfw_ops.lp_fw_step_, "cpu")

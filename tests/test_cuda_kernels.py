@@ -142,11 +142,10 @@ def test_ties_lowest_index_wins_per_tensor(cuda_ops):
     expected, got = run_both(cuda_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0], offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = [p.cpu() for p in got[0]]
-    # theta <- keep theta, then the winner moves by alpha_vertex s (both factors carry kappa = 1 - 4u)
-    keep, alpha_vertex = ref.step_factors(0.5, torch.float32)
-    expected0, expected1 = keep * torch.full((6,), 0.5), keep * torch.full((4,), -0.25)
-    expected0[1] += alpha_vertex * 1.0
-    expected1[1] += alpha_vertex * -2.0
+    # every value here is exact in float32: the step is the exact (1 - alpha) theta + alpha s
+    expected0, expected1 = 0.5 * torch.full((6,), 0.5), 0.5 * torch.full((4,), -0.25)
+    expected0[1] += 0.5 * 1.0
+    expected1[1] += 0.5 * -2.0
     assert torch.equal(theta[0], expected0) and torch.equal(theta[1], expected1)
 
 
@@ -157,8 +156,8 @@ def test_ties_across_tensors_first_tensor_wins_in_global_ball(cuda_ops):
                              global_ball=True, radii=[3.0], offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = [p.cpu() for p in got[0]]
-    _, alpha_vertex = ref.step_factors(1.0, torch.float32)
-    assert torch.equal(theta[0], torch.stack([torch.tensor(0.0), torch.tensor(0.0), alpha_vertex * -3.0]))
+    # the vertex -r e_2 of tensor 0, one float32 below r (reference.l1_vertex_value's margin)
+    assert torch.equal(theta[0], torch.tensor([0.0, 0.0, -torch.nextafter(torch.tensor(3.0), torch.tensor(0.0))]))
     assert not theta[1].any() and not theta[2].any()
 
 
@@ -457,11 +456,10 @@ def test_row_balls_tie_lowest_index_of_each_row(cuda_ops):
                              radii=[1.0, 2.0, 3.0, 4.0, 5.0], offsets=[], row_numel=[4, 300])
     assert_same_step(expected, got, EXACT)
     assert got[0][0][:, 0].tolist() == pytest.approx([0.005 - 0.5, 0.005 + 1.0, 0.005 - 1.5], rel=1e-6)
-    # the winners move to alpha_vertex * (-r sign d): r = 4 and 5 for the two rows of the second tensor
-    _, alpha_vertex = ref.step_factors(0.5, torch.float32)
+    # the winners move to alpha (-r sign d), exactly: r = 4 and 5 for the two rows of the second tensor
     theta = got[0][1].cpu()
-    assert theta[0].nonzero().flatten().tolist() == [5] and theta[0, 5] == alpha_vertex * 4.0
-    assert theta[1].nonzero().flatten().tolist() == [37] and theta[1, 37] == alpha_vertex * -5.0
+    assert theta[0].nonzero().flatten().tolist() == [5] and theta[0, 5] == 0.5 * 4.0
+    assert theta[1].nonzero().flatten().tolist() == [37] and theta[1, 37] == 0.5 * -5.0
 
 
 @pytest.mark.parametrize("momentum", [False, True])

@@ -79,7 +79,7 @@ def run_both(ops, kind, param, params, moms, grads, radii, *, global_ball=False,
              source="grad", coeffs=(0.7, -1.1), schedule=(3.0, 0.2, 0.4)):
     """The reference, then the CUDA op, on copies of the same inputs: [(params, momentum, gap)] each, on the CPU."""
     ref_step, keyword, _ = set_cases.SETS[kind]
-    extra = {} if keyword is None else {keyword: param}
+    extra = set_cases.set_extra(kind, param)
     if offsets is None:
         offsets, start = [], 0
         for p in params:
@@ -187,6 +187,10 @@ def test_lp_huge_magnitudes_do_not_overflow(set_ops, p):
     torch.testing.assert_close(got[0], p_ref[0], rtol=1e-6, atol=1e-8)
 
 
+def test_lp_step_of_directions_near_the_dtype_limits(set_ops):
+    set_cases.check_lp_directions_near_the_limits(set_ops.lp_fw_step_, CUDA)
+
+
 @pytest.mark.parametrize("kind,param", KINDS)
 def test_lp_and_friends_on_zero_directions(set_ops, kind, param):
     # d = 0 on a whole ball: the Lp vertex is 0 (the reference's zero vertex), the L-infinity and k-sparse
@@ -201,7 +205,7 @@ def test_lp_and_friends_on_zero_directions(set_ops, kind, param):
 @pytest.mark.parametrize("kind,param", KINDS)
 def test_empty_params_and_empty_tensors_give_gap_zero(set_ops, kind, param):
     ref_step, keyword, _ = set_cases.SETS[kind]
-    extra = {} if keyword is None else {keyword: param}
+    extra = set_cases.set_extra(kind, param)
     schedule = torch.tensor((1.0, 0.5, 1.0), dtype=torch.float64, device=CUDA)
     coeffs = torch.zeros(0, dtype=torch.float64, device=CUDA)
     gap = torch.full((), float("nan"), dtype=torch.float64, device=CUDA)
@@ -221,7 +225,7 @@ def test_deterministic(set_ops, kind, param, scope):
     # the same inputs give the same bits, gap included (every reduction is a fixed tree)
     params, moms, grads, coeffs, row_numel, radii, offsets = set_cases.inputs(torch.float32, True, "gaussian", scope,
                                                                               CUDA)
-    extra = {} if set_cases.SETS[kind][1] is None else {set_cases.SETS[kind][1]: param}
+    extra = set_cases.set_extra(kind, param)
     results = []
     for _ in range(2):
         ps, ms = [p.clone() for p in params], [m.clone() for m in moms]
@@ -238,7 +242,7 @@ def test_deterministic(set_ops, kind, param, scope):
 def test_no_host_synchronisation(set_ops, kind, param):
     params, moms, grads, coeffs, row_numel, radii, offsets = set_cases.inputs(torch.float32, True, "rademacher",
                                                                               "row", CUDA)
-    extra = {} if set_cases.SETS[kind][1] is None else {set_cases.SETS[kind][1]: param}
+    extra = set_cases.set_extra(kind, param)
     schedule = torch.tensor((3.0, 0.2, 0.4), dtype=torch.float64, device=CUDA)
     gap = torch.zeros((), dtype=torch.float64, device=CUDA)
     torch.cuda.synchronize()
@@ -257,7 +261,7 @@ def test_cuda_graph_replays_equal_eager_steps(set_ops, kind, param, source):
     # Rows with radii of their own need nothing uploaded: the step is capturable as it is. Each replay reads
     # the schedule the host wrote into the captured tensor before it.
     op = op_of(set_ops, kind)
-    extra = {} if set_cases.SETS[kind][1] is None else {set_cases.SETS[kind][1]: param}
+    extra = set_cases.set_extra(kind, param)
     shapes = [(6, 40), (5000,), (3,)]
     row_numel = [40, 0, 0]
     radii = [0.1 * (i + 1) for i in range(6)] + [0.7, 0.05]
@@ -299,7 +303,8 @@ def test_cuda_graph_replays_equal_eager_steps(set_ops, kind, param, source):
     assert all(torch.equal(a, b) for a, b in zip(graph_gaps, eager_gaps))
 
 
-@pytest.mark.parametrize("kind,extra", [("linf", {}), ("lp", dict(p=3.0)), ("ksparse", dict(k=2))])
+@pytest.mark.parametrize("kind,extra", [("linf", {}), ("lp", dict(p=3.0, scales=[])),
+                                        ("ksparse", dict(k=2, scales=[]))])
 def test_argument_errors_name_their_op(set_ops, kind, extra):
     set_cases.check_errors_name_the_op(op_of(set_ops, kind), OPS[kind], extra, CUDA)
 
@@ -310,10 +315,8 @@ def test_reference_agrees_on_a_small_case_by_hand(set_ops):
     grads = [torch.tensor([0.5, -2.0, 2.0, 0.0], device=CUDA)]
     (p_ref, _, gap_ref), (p, _, gap) = run_both(set_ops, "ksparse", 2, [theta], [], grads, [1.0],
                                                 schedule=(1.0, 0.5, 1.0))
-    keep, alpha_vertex = ref.step_factors(0.5, torch.float32)
-    expected = keep * torch.full((4,), 0.25)
-    expected[1] += alpha_vertex * 1.0
-    expected[2] += alpha_vertex * -1.0
+    # theta + alpha (s - theta), exact in float32 here: 0.25 + 0.5 (s - 0.25)
+    expected = torch.tensor([0.125, 0.625, -0.375, 0.125])
     assert torch.equal(p[0], expected) and torch.equal(p_ref[0], expected)
     # <d, theta - s> = 0.25 * (0.5 - 2 + 2 + 0) + 2 + 2
     assert gap == pytest.approx(4.125) and gap_ref == pytest.approx(4.125)

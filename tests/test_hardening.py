@@ -57,6 +57,11 @@ RESUME_CASES = {
     "afgfw_activity": (torch.float32, lambda m: fgfw.AFGFW(
         m, constraint=fgfw.L1Ball(radius=10.0), seed=5, step_size=0.05, averaging_weight=0.2, num_tangents=2,
         estimator="activity")),
+    # sets whose steps carry the norm feedback's state (norm_scale): per row, and the global ball's in one tensor
+    "fw_l2_row": (torch.float32, lambda m: fgfw.FrankWolfe(
+        m.parameters(), constraint=fgfw.L2Ball.relative_to_init(1.0, scope="row"), momentum=0.5)),
+    "afgfw_ksparse_global": (torch.float64, lambda m: fgfw.AFGFW(
+        m, constraint=fgfw.KSparsePolytope.relative_to_init(1.0, k=5, scope="global"), seed=3, step_size=0.1)),
 }
 RESUME_STEPS, RESUME_AT = 6, 3
 
@@ -405,6 +410,7 @@ def test_state_of_another_optimizer_kind_is_refused(source, target):
     (lambda s: s["param_groups"][0].pop("averaging_weight"), "averaging_weight"),
     (lambda s: s["param_groups"][0]["radii"].pop(), "radii"),
     (lambda s: s["state"][0].update(momentum=torch.zeros(3)), "momentum"),
+    (lambda s: s["state"][0].update(norm_scale=torch.ones(2, 2)), "norm_scale"),
     (lambda s: s["param_groups"][0]["params"].pop(), "parameters"),
 ])
 def test_corrupt_state_is_refused_before_anything_changes(corrupt, match):

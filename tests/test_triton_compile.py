@@ -40,10 +40,10 @@ VARIANTS = {
 
 # As the launchers pass them: tensors (16-byte aligned by torch's allocator) and integer scalars.
 _BLOCKS_SIGNATURE = dict(block_tensor="*i32", meta="*i64", schedule="*fp64", tangent_coeffs="*fp64",
-                         partial_d="*fp64", partial_index="*i64", partial_dot="*fp64", key_lo="i32", key_hi="i32",
-                         n_tangents="i32")
+                         block_factor="*fp64", partial_d="*fp64", partial_index="*i64", partial_dot="*fp64",
+                         partial_units="*i64", key_lo="i32", key_hi="i32", n_tangents="i32")
 _ROWS_SIGNATURE = dict(program_group="*i32", meta="*i64", schedule="*fp64", tangent_coeffs="*fp64", radii="*fp64",
-                       ball_gap="*fp64", key_lo="i32", key_hi="i32", n_tangents="i32")
+                       factors="*fp64", ball_gap="*fp64", key_lo="i32", key_hi="i32", n_tangents="i32")
 _ROW_SEG = 1024  # the rows variants' ball length
 _FILL_SIGNATURE = dict(numel="i32", stream_base="i64", key_lo="i32", key_hi="i32", step="i32", tangent_id="i32")
 _FILL_WARPS = 4  # as fill_tangent_

@@ -93,7 +93,7 @@ def _run_both(kind, param, params, grads=(), momentum=(), *, radii, global_ball=
               distribution=RADEMACHER, coeffs=(0.7, -1.1), schedule=(3.0, 0.2, 0.4)):
     """The reference and the Triton step on copies of the same inputs: [(params, momentum, gap)] for each."""
     keyword = set_cases.SETS[kind][1]
-    extra = {} if keyword is None else {keyword: param}
+    extra = set_cases.set_extra(kind, param)
     offsets = offsets if offsets is not None else [0] * len(params)
     runs = []
     for step in (set_cases.SETS[kind][0], STEPS[kind]):
@@ -148,6 +148,10 @@ def test_lp_norm_neither_overflows_nor_underflows_across_chunks():
         assert all(bool(torch.isfinite(x).all()) for x in runs[1][0])
 
 
+def test_lp_step_of_directions_near_the_dtype_limits():
+    set_cases.check_lp_directions_near_the_limits(set_steps.lp_fw_step_, DEVICE)
+
+
 def test_zero_and_nan_directions_as_the_reference():
     """An all-zero ball: the Lp vertex is 0 (theta only shrinks), the k-sparse one takes the first k elements
     (every |d| ties) with sign 0. A NaN: the Lp ball's vertex is NaN everywhere; the k-sparse and L-infinity
@@ -186,7 +190,8 @@ def test_repeated_steps_are_deterministic_and_reuse_the_layout():
     for _ in range(2):
         params = [_randn(3000, seed=12) * 1e-2, _randn(9, 33, seed=13) * 1e-2]
         gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
-        for step, extra in ((set_steps.lp_fw_step_, dict(p=3.0)), (set_steps.ksparse_fw_step_, dict(k=4)),
+        for step, extra in ((set_steps.lp_fw_step_, dict(p=3.0, scales=[])),
+                            (set_steps.ksparse_fw_step_, dict(k=4, scales=[])),
                             (set_steps.linf_fw_step_, {})):
             misses = set_steps._plan.cache_info().misses
             step(params, [], [], torch.tensor([2.0, 0.1, 0.0], dtype=torch.float64, device=DEVICE),
@@ -203,7 +208,7 @@ def test_no_params_and_only_empty_tensors_write_a_zero_gap():
     schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=DEVICE)
     coeffs = torch.tensor([1.0], dtype=torch.float64, device=DEVICE)
     for kind, param in ONE_OF_EACH:
-        extra = {} if set_cases.SETS[kind][1] is None else {set_cases.SETS[kind][1]: param}
+        extra = set_cases.set_extra(kind, param)
         gap = torch.full((), float("nan"), dtype=torch.float64, device=DEVICE)
         STEPS[kind]([], [], [], schedule, coeffs, [], False, [], 0, RADEMACHER, gap, [], **extra)
         assert float(gap) == 0.0
@@ -248,7 +253,7 @@ def test_custom_ops_route_from_the_optimizers_entry(kind, param):
         args = (params, momentum, [], torch.tensor([2.0, 0.1, 0.3], dtype=torch.float64, device=DEVICE),
                 torch.tensor([0.5], dtype=torch.float64, device=DEVICE), [0.5] * 4, False, [2], 3, RADEMACHER, gap,
                 [33])
-        extra = {} if keyword is None else {keyword: param}
+        extra = set_cases.set_extra(kind, param)
         if call == "launcher":
             getattr(set_steps, op)(*args, **extra)
         elif call == "op":
@@ -276,6 +281,8 @@ VARIANTS = {
     for dtype, rows in (("float32", False), ("float64", False), ("bfloat16", False), ("float32", True))}
 VARIANTS["update_lp_p3_float32_long"] = ("update", "lp3", "float32", _AFGFW, 2048, 1)
 VARIANTS["finalize_lp"] = ("finalize", "lp", None, {}, None, None)
+VARIANTS["feedback_lp_float32"] = ("feedback", "lp", "float32", {}, None, None)
+VARIANTS["feedback_ksparse_float64"] = ("feedback", "ksparse", "float64", {}, None, None)
 _KINDS = {"linf": (set_steps.LINF, 2.0), "lp": (set_steps.LP, 1.01), "lp3": (set_steps.LP, 3.0),
           "ksparse": (set_steps.KSPARSE, 2.0)}
 _INTS = ("n_balls", "n", "stream_base", "chunks", "slot_base", "key_base", "ball_base", "stat_base", "pos_base",
@@ -304,25 +311,38 @@ def _compile_variants() -> dict:
             options["num_warps"] = 4
             constexprs = dict(Q=q, INV_Q=1 / q, RB=1, CB=set_steps._RBLOCK)
             signature = dict(part_max="*fp64", part_sum="*fp64", ball_max="*fp64", ball_norm="*fp64")
+        elif kernel == "feedback":
+            fn = set_steps._feedback_kernel
+            options["num_warps"] = 4
+            integer = kind == set_steps.KSPARSE
+            constexprs = dict(P=1.0 if integer else p, INTEGER=integer,
+                              COMPUTE_DTYPE=tangent.TL_DTYPES[getattr(torch, dtype_name)], RB=1, CB=set_steps._RBLOCK)
+            sums = "*i64" if integer else "*fp64"
+            signature = dict(fb_stored=sums, fb_exact=sums, radii="*fp64", factors="*fp64", scales="*fp64",
+                             bound_times="fp64")
         else:
             fn = set_steps._set_update_kernel if kernel == "update" else set_steps._set_reduce_kernel
             options["num_warps"] = seg * balls // (32 * set_steps._ELEMENTS_PER_THREAD[kind])
             param = tangent.TL_DTYPES[getattr(torch, dtype_name)]
             compute = tangent.TL_DTYPES[reference.compute_dtype(getattr(torch, dtype_name))]
             key = "*i64" if compute.name == "fp64" else "*i32"
+            # the update with the norm feedback (its sums and scales) where the set has one
             constexprs = dict(flags, KIND=kind, COMPUTE_DTYPE=compute, NO_LEAD=balls == 1, BALLS=balls, SEG=seg,
-                              Q=q, Q_MINUS_1=q - 1)
+                              Q=q, Q_MINUS_1=q - 1, P=p if kind == set_steps.LP else 1.0,
+                              FEEDBACK=kind != set_steps.LINF)
+            sums = "*i64" if kind == set_steps.KSPARSE else "*fp64"
             signature = dict(param=f"*{param.name}", momentum=f"*{compute.name}", grad=f"*{param.name}",
                              schedule="*fp64", tangent_coeffs="*fp64", radii="*fp64", gap_part="*fp64",
                              stat_a=key if kind == set_steps.KSPARSE else "*fp64",
                              stat_b="*i64" if kind == set_steps.KSPARSE else "*fp64", part_max="*fp64",
-                             part_sum="*fp64", keys=key)
+                             part_sum="*fp64", keys=key, factors="*fp64", scales="*fp64", fb_stored=sums,
+                             fb_exact=sums)
         signature.update((arg, "i32") for arg in _INTS)
         signature.update((arg, "constexpr") for arg in constexprs)
         signature = {arg: signature[arg] for arg in fn.arg_names}
         constexprs = {arg: value for arg, value in constexprs.items() if arg in signature}
         pointers = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]]
-                    for arg, kind in signature.items() if kind.startswith("*")}
+                    for arg, arg_type in signature.items() if arg_type.startswith("*")}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=pointers),
                                   target=target, options=options)
         results[name] = compile_check._ptxas_report(ptxas, sm_arch_from_capability(compile_check.CAPABILITY),

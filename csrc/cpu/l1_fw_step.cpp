@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "feasibility.h"
 #include "op_args.h"
 #include "philox.h"
 #include "step_variant.h"
@@ -58,6 +59,8 @@ struct Partial {
   int64_t best_index = -1;
   acc_t best_d = 0;
   double dot = 0;  // <d, theta_old>, in float64 as reference.py sums it
+  // the norm sums of theta before the step and of the scaled values, in units of the ball's grid (feasibility.h)
+  uint64_t old_units = 0, new_units = 0;
 };
 
 // Whether |d| = a beats the best so far, b, in argmax |d|: larger, or NaN against a number
@@ -125,7 +128,8 @@ struct StepArgs {
   c10::IntArrayRef offsets;
   std::vector<TangentStream> streams;
   std::vector<acc_t> coeffs;
-  acc_t gamma, keep_v, keep_theta;  // gamma, 1 - gamma, step_factors' keep
+  acc_t gamma, keep_v, keep_theta, alpha_c;  // gamma, 1 - gamma, step_factors' keep and alpha
+  double alpha;                              // alpha_k as the schedule holds it
 };
 
 // The direction estimate g of tensor t, block by block: the gradient, or the forward gradient
@@ -185,8 +189,10 @@ struct BlockDirection {
   }
 };
 
+// units_factor: 2^(51 - E) of the segment's ball (feasibility.h): |theta| times it is |theta| in grid units.
 template <typename scalar_t, Source kSource, bool kMomentum>
-void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc_type<scalar_t>>& part) {
+void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, double units_factor,
+                 Partial<acc_type<scalar_t>>& part) {
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
@@ -200,11 +206,19 @@ void run_segment(const StepArgs<scalar_t>& args, const Segment& seg, Partial<acc
     const acc_t* d_at = direction.template directions<kMomentum>(begin, n, v);
 
     scalar_t* const theta_b = theta + begin;
+    // The norm sums in one running sum each (integers: any order gives the same; indexed lanes keep gcc from
+    // vectorising). A block's kBlock terms of at most 2^51 stay below 2^62.
+    uint64_t block_old = 0, block_new = 0;
     for (int e = 0; e < n; ++e) {
       const acc_t old = static_cast<acc_t>(theta_b[e]);
       theta_old[e] = old;
-      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old);
+      const scalar_t stored = static_cast<scalar_t>(args.keep_theta * old);
+      theta_b[e] = stored;
+      block_old += norm_units(std::abs(static_cast<double>(old)) * units_factor);
+      block_new += norm_units(std::abs(static_cast<double>(stored)) * units_factor);
     }
+    part.old_units = saturating_add(part.old_units, block_old);
+    part.new_units = saturating_add(part.new_units, block_new);
 
     // The block's dot product in kLanes running sums, and its largest |d| as an integer.
     int e = 0;
@@ -279,52 +293,64 @@ void run_in_parallel(const Layout& layout, Run&& run) {
 
 template <typename scalar_t, Source kSource, bool kMomentum>
 void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
-                       c10::IntArrayRef row_numel, const double* schedule, double* gap) {
+                       c10::IntArrayRef row_numel, double* gap) {
   using acc_t = acc_type<scalar_t>;
   const at::TensorList params = args.params;
   const size_t n = params.size();
-  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
 
   const Layout layout = lay_out(params, row_numel);
   const std::vector<Segment>& segments = layout.segments;
   const std::vector<size_t>& ball_tensor = layout.ball_tensor;
   std::vector<Partial<acc_t>> partials(segments.size());
   run_in_parallel(layout, [&](int64_t s) {
-    run_segment<scalar_t, kSource, kMomentum>(args, segments[s], partials[s]);
+    const Segment& seg = segments[s];
+    run_segment<scalar_t, kSource, kMomentum>(args, seg, units_factor(global_ball ? radii[0] : radii[seg.ball]),
+                                              partials[s]);
   });
 
   std::vector<Partial<acc_t>> per_ball(ball_tensor.size());
+  std::vector<int64_t> ball_numel(ball_tensor.size(), 0);
   for (size_t s = 0; s < segments.size(); ++s) {
     Partial<acc_t>& best = per_ball[segments[s].ball];
     best.dot += partials[s].dot;
+    best.old_units = saturating_add(best.old_units, partials[s].old_units);
+    best.new_units = saturating_add(best.new_units, partials[s].new_units);
     take_best(best, partials[s]);
+    ball_numel[segments[s].ball] += segments[s].end - segments[s].begin;
   }
 
   double total_gap = 0;
   for (const Partial<acc_t>& best : per_ball) total_gap += best.dot;
 
-  // theta_i* += alpha_vertex * s_i* with s = -r sign(d_i*) e_i*; returns the vertex's gap term r |d_i*|.
-  auto vertex_update = [&](size_t ball, double radius) {
+  // theta_i* of the ball's winner (feasibility.h: the exact step, taking back the scaling's roundings, within the
+  // room the others leave); returns the vertex's gap term r |d_i*|. The norm sums are the ball's (numel, units).
+  auto vertex_update = [&](size_t ball, double radius, int64_t numel, uint64_t old_units, uint64_t new_units) {
     const Partial<acc_t>& best = per_ball[ball];
     scalar_t* theta = params[ball_tensor[ball]].data_ptr<scalar_t>();
-    const acc_t s = -static_cast<acc_t>(radius) * sign_of(best.best_d);
-    theta[best.best_index] = static_cast<scalar_t>(static_cast<acc_t>(theta[best.best_index]) + alpha_vertex * s);
+    const acc_t x = static_cast<acc_t>(theta[best.best_index]);
+    theta[best.best_index] =
+        static_cast<scalar_t>(l1_vertex_value<acc_t>(x, best.best_d, args.alpha, radius, numel, old_units, new_units));
     return static_cast<double>(std::abs(best.best_d)) * radius;
   };
 
   if (global_ball) {
     // One ball per tensor here (row_numel is all 0), in parameter order: the first tensor holding
-    // the maximum has the lowest global index.
+    // the maximum has the lowest global index. The norm sums are the whole group's.
     size_t winner = n;
+    uint64_t old_units = 0, new_units = 0;
     for (size_t t = 0; t < n; ++t) {
+      old_units = saturating_add(old_units, per_ball[t].old_units);
+      new_units = saturating_add(new_units, per_ball[t].new_units);
       if (per_ball[t].best_index >= 0 && (winner == n || beats(per_ball[t].best_abs, per_ball[winner].best_abs))) {
         winner = t;
       }
     }
-    if (winner < n) total_gap += vertex_update(winner, radii[0]);
+    if (winner < n) total_gap += vertex_update(winner, radii[0], layout.total, old_units, new_units);
   } else {
     for (size_t b = 0; b < per_ball.size(); ++b) {
-      if (per_ball[b].best_index >= 0) total_gap += vertex_update(b, radii[b]);
+      if (per_ball[b].best_index >= 0) {
+        total_gap += vertex_update(b, radii[b], ball_numel[b], per_ball[b].old_units, per_ball[b].new_units);
+      }
     }
   }
   *gap = total_gap;
@@ -332,8 +358,8 @@ void l1_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 
 // ---- The L-infinity step ----------------------------------------------------------------------
 // The vertex of a ball of radius r is s = -r sign(d) everywhere: no reduction is needed before the
-// update, so the whole step is one pass: theta <- keep theta + alpha_vertex s per element, and the
-// gap's terms d (theta_old - s) (reference.linf_fw_step_).
+// update, so the whole step is one pass: theta <- theta + alpha (s - theta) per element, held within +-R
+// (feasibility.h: dense_update), and the gap's terms d (theta_old - s) (reference.linf_fw_step_).
 
 // Sums x[e] * y[e] (or x[e] alone, y null) of a block into kLanes running sums: loops the compiler vectorises.
 template <typename acc_t>
@@ -348,11 +374,11 @@ void add_in_lanes(double (&lanes)[kLanes], const acc_t* x, const acc_t* y, int n
 }
 
 template <typename scalar_t, Source kSource, bool kMomentum>
-double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double radius, acc_type<scalar_t> alpha_vertex) {
+double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double radius) {
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
-  const acc_t s_magnitude = -static_cast<acc_t>(radius);
+  const acc_t bound = radius_down<acc_t>(radius);
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
   alignas(64) double gap_terms[kBlock];
   double gap[kLanes] = {};
@@ -363,11 +389,10 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
     for (int e = 0; e < n; ++e) {
       const acc_t d = d_at[e];
       const acc_t old = static_cast<acc_t>(theta_b[e]);
-      // keep theta + alpha_vertex s, with s = -r sign(d) rounded as the reference rounds it
-      const acc_t sign = sign_of(d);
-      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * (s_magnitude * sign));
-      // the gap's term d (theta_old - s) as the reference writes it (an infinite d gives +inf, not inf - inf)
-      gap_terms[e] = static_cast<double>(d) * (static_cast<double>(old) + radius * static_cast<double>(sign));
+      const double s = -radius * static_cast<double>(sign_of(d));
+      double exact;
+      theta_b[e] = static_cast<scalar_t>(dense_update<true>(old, s, args.alpha, args.alpha_c, 1.0, bound, radius, exact));
+      gap_terms[e] = static_cast<double>(d) * (static_cast<double>(old) - s);
     }
     add_in_lanes<double>(gap, gap_terms, nullptr, n);
   }
@@ -378,28 +403,61 @@ double linf_segment(const StepArgs<scalar_t>& args, const Segment& seg, double r
 
 template <typename scalar_t, Source kSource, bool kMomentum>
 void linf_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
-                         c10::IntArrayRef row_numel, const double* schedule, double* gap) {
-  using acc_t = acc_type<scalar_t>;
-  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
+                         c10::IntArrayRef row_numel, double* gap) {
   const Layout layout = lay_out(args.params, row_numel);
   std::vector<double> shares(layout.segments.size());
   run_in_parallel(layout, [&](int64_t s) {
     const Segment& seg = layout.segments[s];
-    shares[s] = linf_segment<scalar_t, kSource, kMomentum>(args, seg, global_ball ? radii[0] : radii[seg.ball],
-                                                           alpha_vertex);
+    shares[s] = linf_segment<scalar_t, kSource, kMomentum>(args, seg, global_ball ? radii[0] : radii[seg.ball]);
   });
   double total_gap = 0;
   for (double share : shares) total_gap += share;  // in segment order: the same for any thread count
   *gap = total_gap;
 }
 
+// ---- The norm feedback (reference.fw_step_'s scales: the Lp and k-sparse steps) ---------------------
+// Each ball's scale as the step reads it (1 without scales) and where its next scale goes: scales[t][row] for
+// the rows (or the one ball) of tensor t, scales[0][0] for the global ball; null for an empty ball, whose scale
+// is left as it is.
+struct BallScales {
+  std::vector<double> scale;  // per ball of the layout (one for the global ball)
+  std::vector<double*> next;  // empty without scales
+};
+
+BallScales read_scales(at::TensorList scales, const Layout& layout, bool global_ball) {
+  const size_t num_balls = global_ball ? 1 : layout.ball_tensor.size();
+  BallScales out{std::vector<double>(num_balls, 1.0), {}};
+  if (scales.empty()) return out;
+  if (global_ball) {
+    out.next.push_back(scales[0].data_ptr<double>());
+  } else {
+    std::vector<int64_t> row(scales.size(), 0);
+    for (size_t t : layout.ball_tensor) out.next.push_back(scales[t].data_ptr<double>() + row[t]++);
+  }
+  for (size_t b = 0; b < num_balls; ++b) out.scale[b] = *out.next[b];
+  std::vector<bool> has_elements(num_balls, false);
+  for (const Segment& seg : layout.segments) has_elements[global_ball ? 0 : seg.ball] = true;
+  for (size_t b = 0; b < num_balls; ++b) {
+    if (!has_elements[b]) out.next[b] = nullptr;
+  }
+  return out;
+}
+
+// u of the compute type: next_norm_scale's band.
+template <typename acc_t>
+constexpr double unit_roundoff() {
+  return std::is_same_v<acc_t, double> ? 0x1p-53 : 0x1p-24;
+}
+
 // ---- The Lp step --------------------------------------------------------------------------------
 // s_i = -r sign(d_i) (x_i / N)^(q-1) with x = |d| / M, M = max |d| over the ball and N = ||x||_q
 // (reference.lp_vertex). Pass 1 makes d (and the momentum) and reduces (M, ||d / M||_q^q) per ball; pass 2
 // makes d again (reads the momentum, or regenerates the tangents: no buffer of d) and writes
-// theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s). Not bit-exact with the
-// reference (the norm is summed in another order; y = |d| / (M N) is one product by a reciprocal): within
-// a few float64 ulps before s is rounded to the compute type.
+// theta <- scale theta + alpha (s - scale theta) (dense_update; scale: the ball's norm feedback) with the gap's
+// terms d (theta_old - s) and the sums of (|theta| / r)^p of the values stored and of the exact step, from which
+// the ball's next scale comes (next_norm_scale). Not bit-exact with the
+// reference (the norm is summed in another order, and pow is libm's): within a few float64 ulps before s is
+// rounded to the compute type.
 
 // The powers x^q and y^(q-1) of the step: closed forms for the common exponents (std::pow costs ~20 ns and
 // does not vectorise), std::pow otherwise.
@@ -407,7 +465,7 @@ enum class Exponent { kGeneral, kTwo /* p = 2 */, kThree /* p = 1.5 */, kThreeHa
 
 template <Exponent kExp>
 struct Powers {
-  double q, q_minus_1;
+  double q, q_minus_1;  // and p, below
   double to_q(double x) const {
     if constexpr (kExp == Exponent::kTwo) return x * x;
     if constexpr (kExp == Exponent::kThree) return x * x * x;
@@ -424,6 +482,13 @@ struct Powers {
     if constexpr (kExp == Exponent::kTwo) return std::sqrt(sum);
     return std::pow(sum, 1.0 / q);
   }
+  double to_p(double x) const {  // x^p: the norm feedback's terms
+    if constexpr (kExp == Exponent::kTwo) return x * x;
+    if constexpr (kExp == Exponent::kThree) return x * std::sqrt(x);
+    if constexpr (kExp == Exponent::kThreeHalves) return x * x * x;
+    return std::pow(x, p);
+  }
+  double p;
 };
 
 // A ball's max |d| and sum (|d| / max)^q, scaled so that no power overflows or underflows to nothing: the
@@ -467,15 +532,16 @@ ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& 
     block.max = top > AbsBits<acc_t>::kInf ? std::numeric_limits<double>::quiet_NaN()
                                            : static_cast<double>(AbsBits<acc_t>::value(top));
     if (block.max > 0) {
-      const double inverse = 1.0 / block.max;
+      // |d| / max, a division as the reference's: 1 / max is subnormal above 2^1022 and infinite for a
+      // subnormal max, so a product by it loses the terms or makes them infinite
       double lanes[kLanes] = {};
       int e = 0;
       for (; e + kLanes <= n; e += kLanes) {
         for (int l = 0; l < kLanes; ++l) {
-          lanes[l] += powers.to_q(std::abs(static_cast<double>(d_block[e + l])) * inverse);
+          lanes[l] += powers.to_q(std::abs(static_cast<double>(d_block[e + l])) / block.max);
         }
       }
-      for (; e < n; ++e) lanes[0] += powers.to_q(std::abs(static_cast<double>(d_block[e])) * inverse);
+      for (; e < n; ++e) lanes[0] += powers.to_q(std::abs(static_cast<double>(d_block[e])) / block.max);
       for (int l = 0; l < kLanes; ++l) block.sum += lanes[l];
     }
     combine(total, block, powers);
@@ -483,64 +549,104 @@ ScaledPowerSum lp_reduce_segment(const StepArgs<scalar_t>& args, const Segment& 
   return total;
 }
 
+// What the update pass leaves of a segment: its share of the gap and, for the norm feedback, its sums of
+// (|theta| / r)^p of the values stored and of the exact step.
+struct LpShare {
+  double gap = 0, stored = 0, exact = 0;
+};
+
 template <typename scalar_t, Source kSource, bool kMomentum, Exponent kExp>
-double lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, const Powers<kExp>& powers,
-                         double radius, const ScaledPowerSum& ball, acc_type<scalar_t> alpha_vertex) {
+LpShare lp_update_segment(const StepArgs<scalar_t>& args, const Segment& seg, const Powers<kExp>& powers,
+                          double radius, const ScaledPowerSum& ball, double scale, bool feedback) {
   using acc_t = acc_type<scalar_t>;
   scalar_t* const theta = args.params[seg.tensor].template data_ptr<scalar_t>();
   const acc_t* const v = kMomentum ? args.momentum[seg.tensor].template data_ptr<acc_t>() : nullptr;
   BlockDirection<scalar_t, kSource> direction(args, seg.tensor);
-  // y = |d| / (M N) with N = ||d / M||_q; a zero ball (M = 0) has the vertex 0, a NaN one NaN everywhere
+  // y = (|d| / M) / N with N = ||d / M||_q, divided in that order as the reference does: M N overflows for
+  // |d| near the float64 maximum (and 1 / M for a subnormal M). A zero ball (M = 0) has the vertex 0, a NaN one
+  // NaN everywhere.
   const bool zero = ball.max == 0;
-  const double scale = zero ? 0.0 : 1.0 / (ball.max * powers.root(ball.sum));
+  const double norm = powers.root(ball.sum);
+  const double inverse_radius = 1.0 / radius;
   alignas(64) double gap_terms[kBlock];
-  double gap[kLanes] = {};
+  alignas(64) double stored_terms[kBlock];
+  alignas(64) double exact_terms[kBlock];
+  double gap[kLanes] = {}, stored[kLanes] = {}, exact[kLanes] = {};
   for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
     const acc_t* d_at = kMomentum ? v + begin : direction.at(begin, n);  // pass 1 left d in the momentum
     scalar_t* const theta_b = theta + begin;
     for (int e = 0; e < n; ++e) {
       const double d = static_cast<double>(d_at[e]);
-      const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) * scale);
+      const double s = zero ? 0.0 : (-radius * sign_of(d)) * powers.to_q_minus_1(std::abs(d) / ball.max / norm);
       const acc_t old = static_cast<acc_t>(theta_b[e]);
-      theta_b[e] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s));
+      double exact_e;
+      const scalar_t stored_e =
+          static_cast<scalar_t>(dense_update<false>(old, s, args.alpha, args.alpha_c, scale, acc_t(0), radius, exact_e));
+      theta_b[e] = stored_e;
       gap_terms[e] = d * (static_cast<double>(old) - s);
+      stored_terms[e] = std::abs(static_cast<double>(stored_e));
+      exact_terms[e] = std::abs(exact_e);
     }
     add_in_lanes<double>(gap, gap_terms, nullptr, n);
+    if (feedback) {
+      // |x| / r as |x| (1 / r): an ulp off the reference's quotient, a product where a quotient costs 4x
+      for (int e = 0; e < n; ++e) stored_terms[e] = powers.to_p(stored_terms[e] * inverse_radius);
+      for (int e = 0; e < n; ++e) exact_terms[e] = powers.to_p(exact_terms[e] * inverse_radius);
+      add_in_lanes<double>(stored, stored_terms, nullptr, n);
+      add_in_lanes<double>(exact, exact_terms, nullptr, n);
+    }
   }
-  double total = 0;
-  for (int l = 0; l < kLanes; ++l) total += gap[l];
+  LpShare total;
+  for (int l = 0; l < kLanes; ++l) {
+    total.gap += gap[l];
+    total.stored += stored[l];
+    total.exact += exact[l];
+  }
   return total;
 }
 
 template <typename scalar_t, Source kSource, bool kMomentum>
 void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
-                       c10::IntArrayRef row_numel, const double* schedule, double* gap, double p) {
+                       c10::IntArrayRef row_numel, at::TensorList scales, double* gap, double p) {
   using acc_t = acc_type<scalar_t>;
-  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
   const double q = p / (p - 1);
   const Layout layout = lay_out(args.params, row_numel);
   const size_t num_balls = global_ball ? 1 : layout.ball_tensor.size();
   auto ball_of = [&](const Segment& seg) { return global_ball ? size_t{0} : seg.ball; };
+  const BallScales ball_scales = read_scales(scales, layout, global_ball);
+  const bool feedback = !ball_scales.next.empty();
 
   auto run = [&](auto exponent) {
     constexpr Exponent kExp = decltype(exponent)::value;
-    const Powers<kExp> powers{q, q - 1};
+    const Powers<kExp> powers{q, q - 1, p};
     std::vector<ScaledPowerSum> pieces(layout.segments.size());
     run_in_parallel(layout, [&](int64_t s) {
       pieces[s] = lp_reduce_segment<scalar_t, kSource, kMomentum, kExp>(args, layout.segments[s], powers);
     });
     std::vector<ScaledPowerSum> balls(num_balls);
     for (size_t s = 0; s < pieces.size(); ++s) combine(balls[ball_of(layout.segments[s])], pieces[s], powers);
-    std::vector<double> shares(layout.segments.size());
+    std::vector<LpShare> shares(layout.segments.size());
     run_in_parallel(layout, [&](int64_t s) {
       const size_t b = ball_of(layout.segments[s]);
       shares[s] = lp_update_segment<scalar_t, kSource, kMomentum, kExp>(args, layout.segments[s], powers, radii[b],
-                                                                        balls[b], alpha_vertex);
+                                                                        balls[b], ball_scales.scale[b], feedback);
     });
     double total_gap = 0;
-    for (double share : shares) total_gap += share;  // in segment order: the same for any thread count
+    std::vector<LpShare> per_ball(num_balls);
+    for (size_t s = 0; s < shares.size(); ++s) {  // in segment order: the same for any thread count
+      total_gap += shares[s].gap;
+      LpShare& ball = per_ball[ball_of(layout.segments[s])];
+      ball.stored += shares[s].stored;
+      ball.exact += shares[s].exact;
+    }
     *gap = total_gap;
+    if (feedback) {
+      for (size_t b = 0; b < num_balls; ++b) {
+        if (ball_scales.next[b] == nullptr) continue;
+        *ball_scales.next[b] = next_norm_scale(per_ball[b].stored, per_ball[b].exact, 1.0, p, unit_roundoff<acc_t>());
+      }
+    }
   };
   if (p == 2.0) {
     run(std::integral_constant<Exponent, Exponent::kTwo>{});
@@ -557,8 +663,9 @@ void lp_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> rad
 // s = -r sign(d) on the k largest |d| of each ball, ties to the lowest index (reference.ksparse_vertex).
 // A ball held in one segment (a row, a small tensor) steps whole in one task: d (into the momentum, or a
 // scratch block), its keys (|d| as bits: NaN above inf, as the L1 step ranks), the k-th largest key, then
-// theta <- keep theta + alpha_vertex s with the gap's terms d (theta_old - s), the ties to the threshold
-// taken in index order. Larger balls: pass 1 makes d into the momentum or a buffer of the group's size;
+// theta <- scale theta + alpha (s - scale theta) held within +-R (dense_update; scale: the ball's norm feedback
+// on ||theta||_1 <= k r) with the gap's terms d (theta_old - s) and the norm sums of the values stored and of the
+// exact step (in units of the grid of k r), the ties to the threshold taken in index order. Larger balls: pass 1 makes d into the momentum or a buffer of the group's size;
 // then per ball the k-th largest key by a heap, a radix histogram or nth_element on a copy of its keys,
 // per segment the number of keys equal to it before the segment, and the update pass.
 
@@ -605,12 +712,12 @@ Selection<acc_t> select_among(std::vector<typename AbsBits<acc_t>::type>& keys, 
 
 template <typename scalar_t, Source kSource, bool kMomentum>
 void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double> radii, bool global_ball,
-                            c10::IntArrayRef row_numel, const double* schedule, double* gap, int64_t k) {
+                            c10::IntArrayRef row_numel, at::TensorList scales, double* gap, int64_t k) {
   using acc_t = acc_type<scalar_t>;
   using bits_t = typename AbsBits<acc_t>::type;
   const at::TensorList params = args.params;
-  const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
   const Layout layout = lay_out(params, row_numel);
+  const BallScales ball_scales = read_scales(scales, layout, global_ball);
   const std::vector<Segment>& segments = layout.segments;
 
   // The balls as runs of segments (lay_out lists a ball's segments together, in index order).
@@ -641,29 +748,56 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
       if constexpr (!kMomentum) std::copy(d_at, d_at + n, d_seg + (begin - seg.begin));
     }
   };
-  // theta <- keep theta + alpha_vertex s over a segment; returns its share of the gap, sum d (theta_old - s).
+  // theta over a segment (see above); returns its share of the gap, sum d (theta_old - s), and its norm sums.
   // tie_rank: the keys equal to the threshold before the segment in its ball (ties go in index order).
+  struct Share {
+    double gap = 0;
+    uint64_t stored = 0, exact = 0;  // in units of the grid of k r
+  };
   auto update = [&](const Segment& seg, const acc_t* d_seg, Selection<acc_t> selection, int64_t tie_rank) {
-    const double radius = radii[ball_of(seg)];
+    const size_t b = ball_of(seg);
+    const double radius = radii[b];
+    const acc_t bound = radius_down<acc_t>(radius);
+    const double scale = ball_scales.scale[b];
+    const double factor = units_factor(static_cast<double>(k) * radius);
     scalar_t* const theta = params[seg.tensor].template data_ptr<scalar_t>();
-    double share[kLanes] = {};
-    for (int64_t i = seg.begin; i < seg.end; ++i) {
-      const acc_t d = d_seg[i - seg.begin];
-      const bits_t key = AbsBits<acc_t>::of(d);
-      bool chosen = key > selection.threshold;
-      if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
-      const double s64 = chosen ? -radius * sign_of(static_cast<double>(d)) : 0.0;
-      const acc_t old = static_cast<acc_t>(theta[i]);
-      theta[i] = static_cast<scalar_t>(args.keep_theta * old + alpha_vertex * static_cast<acc_t>(s64));
-      share[i % kLanes] += static_cast<double>(d) * (static_cast<double>(old) - s64);
+    alignas(64) double vertex[kBlock];
+    alignas(64) double gap_terms[kBlock];
+    double gap[kLanes] = {};
+    Share total;
+    for (int64_t begin = seg.begin; begin < seg.end; begin += kBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kBlock, seg.end - begin));
+      const acc_t* d_b = d_seg + (begin - seg.begin);
+      // the vertex, in index order (the ties' rank), apart from the update: that loop then vectorises
+      for (int e = 0; e < n; ++e) {
+        const bits_t key = AbsBits<acc_t>::of(d_b[e]);
+        bool chosen = key > selection.threshold;
+        if (key == selection.threshold) chosen = tie_rank++ < selection.ties_taken;
+        vertex[e] = chosen ? -radius * sign_of(static_cast<double>(d_b[e])) : 0.0;
+      }
+      scalar_t* const theta_b = theta + begin;
+      // the norm sums: integers, the same in any order; kBlock terms of at most 2^51 stay below 2^62
+      uint64_t block_stored = 0, block_exact = 0;
+      for (int e = 0; e < n; ++e) {
+        const acc_t old = static_cast<acc_t>(theta_b[e]);
+        double exact_e;
+        const scalar_t stored_e = static_cast<scalar_t>(
+            dense_update<true>(old, vertex[e], args.alpha, args.alpha_c, scale, bound, radius, exact_e));
+        theta_b[e] = stored_e;
+        gap_terms[e] = static_cast<double>(d_b[e]) * (static_cast<double>(old) - vertex[e]);
+        block_stored += norm_units(std::abs(static_cast<double>(stored_e)) * factor);
+        block_exact += norm_units(std::abs(exact_e) * factor);
+      }
+      add_in_lanes<double>(gap, gap_terms, nullptr, n);
+      total.stored = saturating_add(total.stored, block_stored);
+      total.exact = saturating_add(total.exact, block_exact);
     }
-    double total = 0;
-    for (int l = 0; l < kLanes; ++l) total += share[l];
+    for (int l = 0; l < kLanes; ++l) total.gap += gap[l];
     return total;
   };
 
   // Pass 1: the balls alone in their segment step whole; the others' segments make their d.
-  std::vector<double> shares(segments.size());
+  std::vector<Share> shares(segments.size());
   run_in_parallel(layout, [&](int64_t s) {
     const Segment& seg = segments[s];
     if (!alone(seg)) {
@@ -784,8 +918,20 @@ void ksparse_fw_step_kernel(const StepArgs<scalar_t>& args, c10::ArrayRef<double
     });
   }
   double total_gap = 0;
-  for (double share : shares) total_gap += share;
+  std::vector<Share> per_ball(num_balls);
+  for (size_t s = 0; s < segments.size(); ++s) {  // in segment order: the same for any thread count
+    total_gap += shares[s].gap;
+    Share& ball = per_ball[ball_of(segments[s])];
+    ball.stored = saturating_add(ball.stored, shares[s].stored);
+    ball.exact = saturating_add(ball.exact, shares[s].exact);
+  }
   *gap = total_gap;
+  for (size_t b = 0; b < ball_scales.next.size(); ++b) {
+    if (ball_scales.next[b] == nullptr) continue;
+    const double bound = static_cast<double>(k) * radii[b];
+    *ball_scales.next[b] = next_norm_scale(units_as_double(per_ball[b].stored), units_as_double(per_ball[b].exact),
+                                           bound * units_factor(bound), 1.0, unit_roundoff<acc_t>());
+  }
 }
 
 enum class Set { kL1, kLInf, kLp, kKSparse };
@@ -796,13 +942,14 @@ template <Set kSet>
 void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                  const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                  c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
-                 c10::IntArrayRef row_numel, double set_param = 0) {
+                 c10::IntArrayRef row_numel, double set_param = 0, at::TensorList scales = {}) {
   constexpr const char* kOp = kSet == Set::kL1     ? "l1_fw_step_"
                              : kSet == Set::kLInf ? "linf_fw_step_"
                              : kSet == Set::kLp   ? "lp_fw_step_"
                                                   : "ksparse_fw_step_";
   check_fw_step_args(kOp, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
                      distribution, gap, row_numel);
+  check_scales(kOp, params, scales, global_ball, row_numel);
   double* gap_out = gap.data_ptr<double>();
   if (params.empty()) {
     *gap_out = 0;
@@ -811,10 +958,11 @@ void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList 
   const double* sched = schedule.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "l1_fw_step_cpu", [&] {
     using acc_t = acc_type<scalar_t>;
-    StepArgs<scalar_t> args{params, momentum, grads, offsets, {}, {}, 0, 0, 0};
+    StepArgs<scalar_t> args{params, momentum, grads, offsets, {}, {}, 0, 0, 0, 0, sched[1]};
     args.gamma = static_cast<acc_t>(sched[2]);
     args.keep_v = acc_t(1) - args.gamma;
     args.keep_theta = step_factors<acc_t>(sched[1]).keep;
+    args.alpha_c = step_factors<acc_t>(sched[1]).alpha;
     if (grads.empty()) {
       const int64_t step = static_cast<int64_t>(sched[0]);
       const double* coeffs = tangent_coeffs.data_ptr<double>();
@@ -826,16 +974,16 @@ void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList 
     auto run = [&](auto source, auto with_momentum) {
       if constexpr (kSet == Set::kL1) {
         l1_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-            args, radii, global_ball, row_numel, sched, gap_out);
+            args, radii, global_ball, row_numel, gap_out);
       } else if constexpr (kSet == Set::kLInf) {
         linf_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-            args, radii, global_ball, row_numel, sched, gap_out);
+            args, radii, global_ball, row_numel, gap_out);
       } else if constexpr (kSet == Set::kLp) {
         lp_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-            args, radii, global_ball, row_numel, sched, gap_out, set_param);
+            args, radii, global_ball, row_numel, scales, gap_out, set_param);
       } else {
         ksparse_fw_step_kernel<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
-            args, radii, global_ball, row_numel, sched, gap_out, static_cast<int64_t>(set_param));
+            args, radii, global_ball, row_numel, scales, gap_out, static_cast<int64_t>(set_param));
       }
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
@@ -861,19 +1009,19 @@ void linf_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::Tensor
 void lp_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                     const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                     c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
-                    c10::IntArrayRef row_numel, double p) {
+                    c10::IntArrayRef row_numel, double p, at::TensorList scales) {
   check_lp_exponent(p);
   fw_step_cpu<Set::kLp>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                        distribution, gap, row_numel, p);
+                        distribution, gap, row_numel, p, scales);
 }
 
 void ksparse_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList grads,
                          const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                          bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
-                         const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k) {
+                         const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k, at::TensorList scales) {
   check_ksparse_k(k);
   fw_step_cpu<Set::kKSparse>(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                             distribution, gap, row_numel, static_cast<double>(k));
+                             distribution, gap, row_numel, static_cast<double>(k), scales);
 }
 
 }  // namespace

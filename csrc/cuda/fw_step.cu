@@ -7,16 +7,19 @@
 // 1. fw_chunks_kernel walks every long ball in chunks (multi_tensor.cuh; a long row is a table row of
 //    its own, so no chunk spans two balls). Per group of four elements it regenerates the tangents
 //    in registers (one Philox call per tangent) or reads the gradient, updates the momentum,
-//    accumulates <d, theta_old> and scales theta by keep ~ 1 - alpha (step_factors). Each chunk's
-//    block reduces (|d|, index) and the dot product into the chunk's slot. Block 0 also publishes
-//    the per-ball table the finalize needs (first slot, address, radius).
+//    accumulates <d, theta_old> and the norm sums of theta and of theta scaled by keep = RN(1 - alpha)
+//    (step_factors; fixed-point units, feasibility.h), and stores the scaled theta. Each chunk's
+//    block reduces (|d|, index), the dot product and the norm sums into the chunk's slot. Block 0 also
+//    publishes the per-ball table the finalize needs (first slot, address, radius, elements).
 // 2. fw_rows_kernel gives each short ball to one warp (blocks of one warp, a grid-stride loop over
 //    balls): the same per-element update, then a warp reduction, the vertex move and the ball's
 //    share of the gap, with no slot and no finalize. Per launch, a table of up to kMaxRowEntries
 //    tensors (each tensor's rows, or the tensor as one row) is a __grid_constant__ argument; radii
 //    that differ from row to row live on the device, uploaded once and reused (DeviceRadii).
 // 3. fw_finalize_kernel, one block per long ball (or one for the global ball), reduces its slots,
-//    moves the winning element to the vertex and writes its share of the gap; its last block sums
+//    sets the winning element (l1_vertex_value: the exact step, taking back what the scaling's roundings
+//    moved the norm, within the room that keeps the ball's stored norm at most r) and writes its share
+//    of the gap; its last block sums
 //    every ball's share (both paths') into `gap` in a fixed order. Without long balls,
 //    fw_sum_shares_kernel (one block) does that sum instead. So the step of a model whose balls are
 //    all short (rows of matrices, biases, small tensors) is two kernel launches.
@@ -46,6 +49,7 @@
 
 #include "cuda/direction.cuh"
 #include "cuda/multi_tensor.cuh"
+#include "feasibility.h"
 #include "op_args.h"
 #include "philox.h"
 #include "step_variant.h"
@@ -106,11 +110,13 @@ __device__ __forceinline__ T sign_of(T x) {
 }
 
 // What a chunk leaves for the finalize: the signed d at its largest |d| and that element's flat
-// index in its tensor, the chunk's <d, theta_old>, and the tensor's position in the group.
+// index in its tensor, the chunk's <d, theta_old>, the tensor's position in the group, and the chunk's
+// norm sums of theta before the step and of the scaled values (units of its ball's grid, feasibility.h).
 struct alignas(16) Slot {
   double d;
   int64_t index;
   double dot;
+  uint64_t old_units, new_units;
   int32_t tensor;
 };
 
@@ -125,6 +131,7 @@ struct Workspace {
   int64_t* ball_first_slot;
   void** ball_param;
   double* ball_radius;
+  int64_t* ball_numel;
   double* ball_gap;
   unsigned int* finished_blocks;
   int num_chunk_balls;
@@ -186,25 +193,69 @@ __device__ __forceinline__ void merge(Candidate<acc_t>& into, const Candidate<ac
   }
 }
 
+// A thread's running norm sums (of theta before the step, and of the scaled values) and its ball's units_factor
+// (its grid, feasibility.h) live in shared memory, three words per thread of a __shared__ array: the element
+// loops have no registers to spare for two more 64-bit sums and a double (tests/test_kernel_resources.py), and
+// `volatile` keeps ptxas from holding them in registers after all. A thread adds at most 128 terms of at most
+// 2^51 per ball or chunk: no overflow before the saturating merge of the threads' sums.
+constexpr int kNormWords = 3;
+
+template <int kWords>
+__device__ __forceinline__ void start_norm_sums(unsigned long long (&words)[kWords], double radius) {
+  volatile unsigned long long* const mine = words + kNormWords * threadIdx.x;
+  mine[0] = 0;
+  mine[1] = 0;
+  mine[2] = static_cast<unsigned long long>(__double_as_longlong(units_factor(radius)));
+}
+
+template <int kWords, typename acc_t>
+__device__ __forceinline__ void add_norm_sums(unsigned long long (&words)[kWords], acc_t theta_old, acc_t theta_new) {
+  volatile unsigned long long* const mine = words + kNormWords * threadIdx.x;
+  const double factor = __longlong_as_double(static_cast<long long>(mine[2]));
+  mine[0] += norm_units(rn_mul(fabs(static_cast<double>(theta_old)), factor));
+  mine[1] += norm_units(rn_mul(fabs(static_cast<double>(theta_new)), factor));
+}
+
 template <typename acc_t>
 __device__ __forceinline__ Candidate<acc_t> shuffle_down(const Candidate<acc_t>& c, int delta) {
   return {__shfl_down_sync(0xffffffffu, c.abs_d, delta), __shfl_down_sync(0xffffffffu, c.d, delta),
           __shfl_down_sync(0xffffffffu, c.key, delta), __shfl_down_sync(0xffffffffu, c.dot, delta)};
 }
 
-// The merge of every thread's candidate, in thread 0. A fixed tree: the same inputs give the same
-// sum, run after run. Every thread of the block must call it.
-template <int kBlock, typename acc_t>
-__device__ Candidate<acc_t> block_reduce(Candidate<acc_t> c) {
+// A ball's (or chunk's) norm sums: of theta before the step and of the scaled values, in units of its grid
+// (feasibility.h), added stopping at their cap (order-free).
+struct NormSums {
+  unsigned long long old_units, new_units;
+};
+
+__device__ __forceinline__ void merge(NormSums& into, const NormSums& from) {
+  into.old_units = saturating_add(into.old_units, from.old_units);
+  into.new_units = saturating_add(into.new_units, from.new_units);
+}
+
+__device__ __forceinline__ NormSums shuffle_down(const NormSums& sums, int delta) {
+  return {__shfl_down_sync(0xffffffffu, sums.old_units, delta), __shfl_down_sync(0xffffffffu, sums.new_units, delta)};
+}
+
+template <int kWords>
+__device__ __forceinline__ NormSums take_norm_sums(unsigned long long (&words)[kWords]) {
+  const volatile unsigned long long* const mine = words + kNormWords * threadIdx.x;
+  return {mine[0], mine[1]};
+}
+
+// The merge of every thread's candidate (or norm sums), in thread 0. A fixed tree: the same inputs give
+// the same sum, run after run. Every thread of the block must call it. none: what merges as nothing.
+template <int kBlock, typename T>
+__device__ T block_reduce(T c, T none) {
   constexpr int kWarps = kBlock / 32;
-  __shared__ Candidate<acc_t> warp_result[kWarps];
+  __shared__ T warp_result[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int delta = 16; delta > 0; delta /= 2) merge(c, shuffle_down(c, delta));
   if (lane == 0) warp_result[warp] = c;
   __syncthreads();
   if (warp == 0) {
-    c = lane < kWarps ? warp_result[lane] : no_candidate<acc_t>();
+    c = lane < kWarps ? warp_result[lane] : none;
 #pragma unroll
     for (int delta = 16; delta > 0; delta /= 2) merge(c, shuffle_down(c, delta));
   }
@@ -268,6 +319,7 @@ __device__ void publish_balls(const TensorTable<kLists>& table, const Workspace&
     ws.ball_first_slot[t] = table.chunk_base + table.first_chunk[r];
     ws.ball_param[t] = table.data[kParamList][r];
     ws.ball_radius[t] = table.scalar[r];
+    ws.ball_numel[t] = table.numel[r];
   }
   if (threadIdx.x == 0) {
     if (table.first_row + table.num_rows == ws.num_chunk_balls) {
@@ -303,6 +355,8 @@ __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
     const int chunk_groups = static_cast<int>(groups_left < kChunkGroups ? groups_left : kChunkGroups);
     const int64_t chunk_j0 = 4 * group_begin - lead;
     const int64_t chunk_q = table.first_group[r] + group_begin;
+    __shared__ unsigned long long norm_words[kNormWords * kThreads];
+    start_norm_sums(norm_words, table.scalar[r]);
 
     Candidate<acc_t> best = no_candidate<acc_t>();
     for (int l0 = threadIdx.x; l0 < chunk_groups; l0 += kUnroll<scalar_t> * kThreads) {
@@ -343,6 +397,7 @@ __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
           const acc_t theta_old = static_cast<acc_t>(theta_q[u].x[lane]);
           best.dot = rn_add(best.dot, rn_mul(static_cast<double>(d), static_cast<double>(theta_old)));
           theta_q[u].x[lane] = static_cast<scalar_t>(rn_mul(keep_theta, theta_old));
+          add_norm_sums(norm_words, theta_old, static_cast<acc_t>(theta_q[u].x[lane]));
           // Strictly larger (or a first NaN): this thread visits its elements in index order.
           const acc_t abs_d = abs_of(d);
           if ((isnan(abs_d) && !isnan(best.abs_d)) || abs_d > best.abs_d) {
@@ -357,21 +412,23 @@ __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
       }
     }
 
-    best = block_reduce<kThreads>(best);
+    best = block_reduce<kThreads>(best, no_candidate<acc_t>());
+    const NormSums sums = block_reduce<kThreads>(take_norm_sums(norm_words), NormSums{0, 0});
     if (threadIdx.x == 0) {
-      ws.slots[table.chunk_base + c] =
-          Slot{static_cast<double>(best.d), best.key, best.dot, table.first_row + r};
+      ws.slots[table.chunk_base + c] = Slot{static_cast<double>(best.d), best.key, best.dot, sums.old_units,
+                                            sums.new_units, table.first_row + r};
     }
   }
 }
 
 // *gap = the sum of all num_shares shares of the gap, in a fixed order (thread i takes shares i,
 // i + kBlock, ... in turn, then a fixed tree), so the same inputs give the same gap. Every thread of
-// the block calls it.
-template <int kBlock, typename acc_t>
+// the block calls it. The sum rides in a Candidate's dot for block_reduce; the float one, the smallest
+// (with the double one, ptxas spilled the finalize kernel).
+template <int kBlock>
 __device__ void sum_shares(const Workspace& ws, double* gap) {
   constexpr int kLoads = 4;  // loads in flight per thread: the sum is the tail of the step
-  Candidate<acc_t> total = no_candidate<acc_t>();
+  Candidate<float> total = no_candidate<float>();
   for (int64_t b = threadIdx.x; b < ws.num_shares; b += kLoads * kBlock) {
     double share[kLoads];
 #pragma unroll
@@ -383,33 +440,37 @@ __device__ void sum_shares(const Workspace& ws, double* gap) {
       if (b + u * kBlock < ws.num_shares) total.dot = rn_add(total.dot, share[u]);
     }
   }
-  total = block_reduce<kBlock>(total);
+  total = block_reduce<kBlock>(total, no_candidate<float>());
   if (threadIdx.x == 0) *gap = total.dot;
 }
 
 // The step's last kernel when the rows kernel wrote every share: one block.
 __global__ void __launch_bounds__(kSumThreads) fw_sum_shares_kernel(Workspace ws, double* gap) {
-  sum_shares<kSumThreads, double>(ws, gap);
+  sum_shares<kSumThreads>(ws, gap);
 }
 
-// Block b reduces ball b's slots (all slots for the global ball), applies
-// theta_i* += alpha_vertex * (-r sign(d_i*)) and computes the ball's gap <d, theta_old> + r |d_i*|.
-// Unless the ball is global, the last block sums every ball's share (the rows path's too).
+// Block b reduces ball b's slots (all slots for the global ball, global_numel elements), sets theta_i*
+// (l1_vertex_value) and computes the ball's gap <d, theta_old> + r |d_i*|. Unless the ball is global, the
+// last block sums every ball's share (the rows path's too).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFinalizeThreads)
-    fw_finalize_kernel(Workspace ws, const double* __restrict__ schedule, bool global_ball, double* gap) {
+    fw_finalize_kernel(Workspace ws, const double* __restrict__ schedule, bool global_ball, int64_t global_numel,
+                       double* gap) {
   using acc_t = acc_type<scalar_t>;
   const int ball = blockIdx.x;
   const int64_t begin = global_ball ? 0 : ws.ball_first_slot[ball];
   const int64_t end = ws.ball_first_slot[global_ball ? ws.num_chunk_balls : ball + 1];
 
   Candidate<acc_t> best = no_candidate<acc_t>();
+  NormSums sums{0, 0};
   for (int64_t s = begin + threadIdx.x; s < end; s += kFinalizeThreads) {
     const Slot slot = ws.slots[s];
     const acc_t d = static_cast<acc_t>(slot.d);  // exact: d was an acc_t
     merge(best, Candidate<acc_t>{abs_of(d), d, s, slot.dot});
+    merge(sums, NormSums{slot.old_units, slot.new_units});
   }
-  best = block_reduce<kFinalizeThreads>(best);
+  best = block_reduce<kFinalizeThreads>(best, no_candidate<acc_t>());
+  sums = block_reduce<kFinalizeThreads>(sums, NormSums{0, 0});
 
   if (threadIdx.x == 0) {
     double share = best.dot;
@@ -417,10 +478,10 @@ __global__ void __launch_bounds__(kFinalizeThreads)
       const Slot& winner = ws.slots[best.key];
       const double radius = ws.ball_radius[winner.tensor];
       scalar_t* const theta = static_cast<scalar_t*>(ws.ball_param[winner.tensor]);
-      const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
-      const acc_t vertex = rn_mul(-static_cast<acc_t>(radius), sign_of(best.d));
-      theta[winner.index] =
-          static_cast<scalar_t>(rn_add(static_cast<acc_t>(theta[winner.index]), rn_mul(alpha_vertex, vertex)));
+      const int64_t numel = global_ball ? global_numel : ws.ball_numel[ball];
+      theta[winner.index] = static_cast<scalar_t>(l1_vertex_value<acc_t>(
+          static_cast<acc_t>(theta[winner.index]), best.d, schedule[1], radius, numel, sums.old_units,
+          sums.new_units));
       share = rn_add(share, rn_mul(static_cast<double>(abs_of(best.d)), radius));
     }
     if (global_ball) {
@@ -440,7 +501,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   __syncthreads();
   if (!last_block) return;
   __threadfence();
-  sum_shares<kFinalizeThreads, acc_t>(ws, gap);
+  sum_shares<kFinalizeThreads>(ws, gap);
 }
 
 // The rows kernel's candidate, in fewer registers than Candidate (the ptxas budget of the rows
@@ -512,6 +573,10 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
     const int lo = static_cast<int>(from_group0 % 4);
     const int groups = (lo + numel + 3) / 4;
     const bool vectorised = table.vectorised[e];
+    const int64_t first_radius = table.first_radius[e];
+    const double radius = first_radius < 0 ? table.radius[e] : radii[first_radius + row];
+    __shared__ unsigned long long norm_words[kNormWords * kRowThreads];
+    start_norm_sums(norm_words, radius);
 
     RowCandidate<acc_t> best{acc_t(0), acc_t(0), -1, 0.0};
     for (int l0 = warp_lane; l0 < groups; l0 += kUnroll<scalar_t> * 32) {
@@ -558,6 +623,7 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
           const acc_t theta_old = static_cast<acc_t>(theta_q[u].x[lane]);
           best.dot = rn_add(best.dot, rn_mul(static_cast<double>(d), static_cast<double>(theta_old)));
           theta_q[u].x[lane] = static_cast<scalar_t>(rn_mul(keep_theta, theta_old));
+          add_norm_sums(norm_words, theta_old, static_cast<acc_t>(theta_q[u].x[lane]));
           // Strictly larger (or a first NaN): this lane visits its elements in index order.
           const acc_t abs_d = abs_of(d), best_abs_d = abs_of(best.d);
           if (best.key < 0 || (isnan(abs_d) && !isnan(best_abs_d)) || abs_d > best_abs_d) {
@@ -575,13 +641,15 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
       }
     }
 
-    // The lanes' candidates and dots in a fixed tree: lane 0 ends with the ball's.
+    // The lanes' candidates, dots and norm sums in a fixed tree: lane 0 ends with the ball's.
+    NormSums sums = take_norm_sums(norm_words);
 #pragma unroll
     for (int delta = 16; delta > 0; delta /= 2) {
       const acc_t d = __shfl_down_sync(0xffffffffu, best.d, delta);
       const acc_t theta = __shfl_down_sync(0xffffffffu, best.theta, delta);
       const int key = __shfl_down_sync(0xffffffffu, best.key, delta);
       best.dot = rn_add(best.dot, __shfl_down_sync(0xffffffffu, best.dot, delta));
+      merge(sums, shuffle_down(sums, delta));
       if (beats(d, key, best)) {
         best.d = d;
         best.theta = theta;
@@ -593,11 +661,8 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
       double share = best.dot;
       if (best.key >= 0) {  // always: a row has at least one element
         scalar_t* const theta = static_cast<scalar_t*>(table.data[kParamList][e]) + row * numel;
-        const int64_t first_radius = table.first_radius[e];
-        const double radius = first_radius < 0 ? table.radius[e] : radii[first_radius + row];
-        const acc_t alpha_vertex = step_factors<acc_t>(schedule[1]).alpha_vertex;
-        const acc_t vertex = rn_mul(-static_cast<acc_t>(radius), sign_of(best.d));
-        theta[best.key] = static_cast<scalar_t>(rn_add(best.theta, rn_mul(alpha_vertex, vertex)));
+        theta[best.key] = static_cast<scalar_t>(
+            l1_vertex_value<acc_t>(best.theta, best.d, schedule[1], radius, numel, sums.old_units, sums.new_units));
         share = rn_add(share, rn_mul(static_cast<double>(abs_of(best.d)), radius));
       }
       ws.ball_gap[table.first_share + b] = share;
@@ -607,7 +672,7 @@ __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
 
 // Offsets of the workspace's arrays in one allocation, each 16-byte aligned.
 struct WorkspaceLayout {
-  size_t slots, ball_first_slot, ball_param, ball_radius, ball_gap, finished_blocks, bytes;
+  size_t slots, ball_first_slot, ball_param, ball_radius, ball_numel, ball_gap, finished_blocks, bytes;
 
   WorkspaceLayout(int64_t num_slots, int64_t num_chunk_balls, int64_t num_shares) {
     size_t at = 0;
@@ -620,6 +685,7 @@ struct WorkspaceLayout {
     ball_first_slot = take(sizeof(int64_t) * (num_chunk_balls + 1));
     ball_param = take(sizeof(void*) * num_chunk_balls);
     ball_radius = take(sizeof(double) * num_chunk_balls);
+    ball_numel = take(sizeof(int64_t) * num_chunk_balls);
     ball_gap = take(sizeof(double) * num_shares);
     finished_blocks = take(sizeof(unsigned int));
     bytes = at;
@@ -827,6 +893,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
                      reinterpret_cast<int64_t*>(base + layout.ball_first_slot),
                      reinterpret_cast<void**>(base + layout.ball_param),
                      reinterpret_cast<double*>(base + layout.ball_radius),
+                     reinterpret_cast<int64_t*>(base + layout.ball_numel),
                      reinterpret_cast<double*>(base + layout.ball_gap),
                      reinterpret_cast<unsigned int*>(base + layout.finished_blocks),
                      num_chunk_balls,
@@ -934,8 +1001,10 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
 
   // 3. The long balls' vertices and, unless the rows kernel did, the gap.
   if (num_chunk_balls > 0) {
+    int64_t global_numel = 0;
+    for (const int64_t numel : chunk_numels) global_numel += numel;
     fw_finalize_kernel<scalar_t><<<global_ball ? 1u : static_cast<unsigned>(num_chunk_balls), kFinalizeThreads, 0,
-                                   stream>>>(ws, schedule_ptr, global_ball, gap_ptr);
+                                   stream>>>(ws, schedule_ptr, global_ball, global_numel, gap_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -23,8 +23,11 @@
 // per tangent), then the momentum v <- (1 - gamma) v + gamma g, d = v. Every product and sum is an
 // explicitly rounded intrinsic (rn_mul, rn_add), so nvcc cannot contract them into FMAs.
 //
-// The steps (s the vertex, in float64 as the reference computes it; theta <- keep theta + alpha_vertex s
-// with s rounded to the compute type; the gap is sum over elements of d (theta_old - s) in float64):
+// The steps (s the vertex, in float64 as the reference computes it; theta <- t + alpha (s - t), t = scale theta,
+// with s rounded to the compute type, held within +-R for the L-infinity and k-sparse sets (feasibility.h:
+// dense_update); the gap is sum over elements of d (theta_old - s) in float64). The Lp and k-sparse steps also
+// sum, per slice, the norms of what they store and of the exact step; feedback_kernel (a warp per ball) turns a
+// ball's sums into the scale its next step applies (next_norm_scale), in the op's `scales`:
 // * L-infinity: s = -r sign(d). One pass (linf_kernel: directions, update, the slice's gap share), then
 //   the gap sum (gap_sum_kernel).
 // * Lp: s_i = -r sign(d_i) (x_i / N)^(q-1), x = |d| / max|d|, N = ||x||_q. lp_reduce_kernel computes
@@ -65,6 +68,7 @@
 #include <vector>
 
 #include "cuda/direction.cuh"
+#include "feasibility.h"
 #include "op_args.h"
 #include "philox.h"
 #include "step_variant.h"
@@ -135,6 +139,11 @@ struct AbsKey<double> {
 struct SumOp {
   __device__ double operator()(double a, double b) const { return rn_add(a, b); }
   __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return a + b; }
+};
+struct SaturatingSumOp {  // norm sums in units: order-free (feasibility.h)
+  __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const {
+    return saturating_add(a, b);
+  }
 };
 struct MaxOp {
   template <typename T>
@@ -220,6 +229,7 @@ struct Entry {
   int64_t first_slice;    // step-wide slot of the entry's first slice
   int64_t first_ball_id;  // step-wide id of the entry's first ball (0 for every entry of the global ball)
   double radius;
+  double* scale;          // the norm feedback's scale of the entry's first ball (the global ball's), or null
 };
 
 struct EntryTable {
@@ -234,6 +244,8 @@ struct GlobalBall {
   bool is_global;
   int64_t num_slices;  // every slice of the step
   int64_t numel;       // every element of the step
+  double radius;
+  double* scale;       // its norm feedback's scale, or null
 };
 
 // The last entry whose key(entry) <= x; entries are sorted by key and x >= key(entry[0]).
@@ -276,16 +288,26 @@ __device__ SliceInfo slice_info(const EntryTable& table, int64_t s) {
   return {e, entry.first_ball_id + ball, begin, end};
 }
 
-// Ball `id` of the step: its slots [slot_begin, slot_end) and its number of elements.
+// Ball `id` of the step: its slots [slot_begin, slot_end), its number of elements, its radius, and where its
+// norm feedback's scale lives (null without scales).
 struct BallInfo {
   int64_t slot_begin, slot_end, numel;
+  double radius;
+  double* scale;
 };
 
 __device__ BallInfo ball_info(const EntryTable& table, const GlobalBall& global, int64_t id) {
-  if (global.is_global) return {0, global.num_slices, global.numel};
+  if (global.is_global) return {0, global.num_slices, global.numel, global.radius, global.scale};
   const Entry& entry = table.entry[find_entry(table, id, FirstBallId{})];
   const int64_t begin = entry.first_slice + (id - entry.first_ball_id) * entry.slices_per_ball;
-  return {begin, begin + entry.slices_per_ball, entry.ball_numel};
+  return {begin, begin + entry.slices_per_ball, entry.ball_numel, entry.radius,
+          entry.scale ? entry.scale + (id - entry.first_ball_id) : nullptr};
+}
+
+// The norm feedback's scale of a slice's ball (1 without scales): the global ball's for every slice of it.
+__device__ __forceinline__ double slice_scale(const EntryTable& table, const SliceInfo& slice) {
+  const Entry& entry = table.entry[slice.entry];
+  return entry.scale ? entry.scale[slice.ball_id - entry.first_ball_id] : 1.0;
 }
 
 // ---- Directions ---------------------------------------------------------------------------------------
@@ -294,17 +316,17 @@ __device__ BallInfo ball_info(const EntryTable& table, const GlobalBall& global,
 template <typename acc_t>
 struct StepScalars {
   int64_t step;
-  acc_t gamma, keep_v;        // momentum: v <- keep_v v + gamma g, keep_v = 1 - gamma
-  acc_t keep, alpha_vertex;   // step_factors
+  acc_t gamma, keep_v;  // momentum: v <- keep_v v + gamma g, keep_v = 1 - gamma
+  double alpha;         // alpha_k as the schedule holds it (the exact step's)
+  acc_t alpha_c;        // step_factors: alpha rounded
 };
 
 template <typename acc_t>
 __device__ StepScalars<acc_t> read_schedule(const double* __restrict__ schedule) {
   StepScalars<acc_t> sc;
   sc.step = static_cast<int64_t>(schedule[0]);
-  const StepFactors<acc_t> factors = step_factors<acc_t>(schedule[1]);
-  sc.keep = factors.keep;
-  sc.alpha_vertex = factors.alpha_vertex;
+  sc.alpha = schedule[1];
+  sc.alpha_c = step_factors<acc_t>(schedule[1]).alpha;
   sc.gamma = static_cast<acc_t>(schedule[2]);
   sc.keep_v = acc_t(1) - sc.gamma;
   return sc;
@@ -367,15 +389,21 @@ __device__ void slice_directions(const Entry& entry, int64_t begin, int64_t end,
   }
 }
 
-// theta_j <- keep theta_j + alpha_vertex s_j with s_j (float64) rounded to the compute type; returns
-// d_j (theta_old - s_j), the element's term of the gap, in float64 (reference.fw_step_).
-template <typename scalar_t>
+// theta_j <- dense_update (feasibility.h: scale theta_j + alpha (s_j - scale theta_j), s_j in float64 rounded to
+// the compute type, held within +-bound under kClamp); returns d_j (theta_old - s_j), the element's term of the
+// gap, in float64 (reference.fw_step_). stored, exact: the value stored (in the compute type) and the exact step,
+// for the norm feedback.
+template <bool kClamp, typename scalar_t>
 __device__ __forceinline__ double update_element(scalar_t* theta, int64_t j, acc_type<scalar_t> d, double s,
-                                                 const StepScalars<acc_type<scalar_t>>& sc) {
+                                                 const StepScalars<acc_type<scalar_t>>& sc, double scale,
+                                                 acc_type<scalar_t> bound, double radius, acc_type<scalar_t>& stored,
+                                                 double& exact) {
   using acc_t = acc_type<scalar_t>;
   const acc_t theta_old = static_cast<acc_t>(theta[j]);
-  const acc_t s_c = static_cast<acc_t>(s);
-  theta[j] = static_cast<scalar_t>(rn_add(rn_mul(sc.keep, theta_old), rn_mul(sc.alpha_vertex, s_c)));
+  const scalar_t next = static_cast<scalar_t>(dense_update<kClamp>(theta_old, s, sc.alpha, sc.alpha_c, scale, bound,
+                                                                   radius, exact));
+  theta[j] = next;
+  stored = static_cast<acc_t>(next);
   return rn_mul(static_cast<double>(d), rn_sub(static_cast<double>(theta_old), s));
 }
 
@@ -408,10 +436,14 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
     __syncthreads();
     scalar_t* const theta = static_cast<scalar_t*>(entry.theta);
     const double minus_r = -entry.radius;
+    const acc_t bound = radius_down<acc_t>(entry.radius);
     double gap = 0.0;
     for (int64_t j = slice.begin + threadIdx.x; j < slice.end; j += blockDim.x) {
       const acc_t d = d_slice[j - slice.begin];
-      gap = rn_add(gap, update_element(theta, j, d, rn_mul(minus_r, sign_of(static_cast<double>(d))), sc));
+      acc_t stored;
+      double exact;
+      gap = rn_add(gap, update_element<true>(theta, j, d, rn_mul(minus_r, sign_of(static_cast<double>(d))), sc, 1.0,
+                                             bound, entry.radius, stored, exact));
     }
     gap = block_reduce<kSliceThreads>(gap, SumOp{}, 0.0);  // also: every read of d_slice is done
     if (threadIdx.x == 0) slot_gap[s] = gap;
@@ -422,7 +454,7 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
 
 // The exponent q = p / (p - 1) and what the kernels derive from it, computed once on the host.
 struct LpExponent {
-  double q, q_minus_1, inv_q;
+  double q, q_minus_1, inv_q, p;
   bool q_is_2;  // p = 2: y^2 as y * y, the norm as sqrt, and (x / N)^1 as x / N
 };
 
@@ -498,13 +530,18 @@ __global__ void __launch_bounds__(kBallThreads)
   }
 }
 
+// (|x| / r)^p: the Lp norm feedback's terms (y * y for p = 2).
+__device__ __forceinline__ double pow_p(double y, const LpExponent& lp) { return lp.q_is_2 ? rn_mul(y, y) : pow(y, lp.p); }
+
 // Pass 2: the directions again, s_i = -r sign(d_i) (|d_i| / M / N)^(q-1) (0 when M = 0), the update and
-// the slice's share of the gap.
+// the slice's share of the gap; with scales, the slice's sums of (|theta| / r)^p of the values stored and of
+// the exact step (slot_stored, slot_exact). One block fewer per SM than the other slice kernels: with four,
+// the float Gaussian variant spilled around its pow calls (tests/test_kernel_resources.py).
 template <typename scalar_t, Source kSource, bool kMomentum>
-__global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
+__global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t> - 1)
     lp_update_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, Tangents tangents,
                      LpExponent lp, const double* __restrict__ ball_max, const double* __restrict__ ball_norm,
-                     double* __restrict__ slot_gap) {
+                     double* __restrict__ slot_gap, double* __restrict__ slot_stored, double* __restrict__ slot_exact) {
   using acc_t = acc_type<scalar_t>;
   __shared__ acc_t d_slice[kSlice];
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
@@ -516,7 +553,8 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
     scalar_t* const theta = static_cast<scalar_t*>(entry.theta);
     const double big_m = ball_max[slice.ball_id], norm = ball_norm[slice.ball_id];
     const double minus_r = -entry.radius;
-    double gap = 0.0;
+    const double scale = slice_scale(table, slice);
+    double gap = 0.0, stored_sum = 0.0, exact_sum = 0.0;
     for (int64_t j = slice.begin + threadIdx.x; j < slice.end; j += blockDim.x) {
       const acc_t d = d_slice[j - slice.begin];
       double vertex = 0.0;  // the reference's zero vertex when d = 0 on the whole ball
@@ -525,10 +563,24 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
         const double power = lp.q_is_2 ? y : pow(y, lp.q_minus_1);
         vertex = rn_mul(rn_mul(minus_r, sign_of(static_cast<double>(d))), power);
       }
-      gap = rn_add(gap, update_element(theta, j, d, vertex, sc));
+      acc_t stored;
+      double exact;
+      gap = rn_add(gap, update_element<false>(theta, j, d, vertex, sc, scale, acc_t(0), entry.radius, stored, exact));
+      if (entry.scale) {
+        stored_sum = rn_add(stored_sum, pow_p(rn_div(fabs(static_cast<double>(stored)), entry.radius), lp));
+        exact_sum = rn_add(exact_sum, pow_p(rn_div(fabs(exact), entry.radius), lp));
+      }
     }
     gap = block_reduce<kSliceThreads>(gap, SumOp{}, 0.0);  // also: every read of d_slice is done
     if (threadIdx.x == 0) slot_gap[s] = gap;
+    if (entry.scale) {
+      stored_sum = block_reduce<kSliceThreads>(stored_sum, SumOp{}, 0.0);
+      exact_sum = block_reduce<kSliceThreads>(exact_sum, SumOp{}, 0.0);
+      if (threadIdx.x == 0) {
+        slot_stored[s] = stored_sum;
+        slot_exact[s] = exact_sum;
+      }
+    }
   }
 }
 
@@ -685,13 +737,16 @@ __global__ void __launch_bounds__(kBallThreads)
 
 // The update: an element is chosen when its key > T, or key == T and fewer than `need` keys equal to T
 // come before it in the ball (lower indices: earlier slices, then earlier in this slice, ranked by a block
-// scan over tiles of kSliceThreads elements in index order). s = -r sign(d) there, 0 elsewhere.
+// scan over tiles of kSliceThreads elements in index order). s = -r sign(d) there, 0 elsewhere. With scales,
+// the slice's norm sums (units of the grid of k r) of the values stored and of the exact step.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSliceThreads)
-    ksparse_update_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule,
+    ksparse_update_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, int64_t k,
                           const unsigned long long* __restrict__ ball_prefix,
                           const unsigned long long* __restrict__ ball_remaining,
-                          const unsigned long long* __restrict__ slot_before, double* __restrict__ slot_gap) {
+                          const unsigned long long* __restrict__ slot_before, double* __restrict__ slot_gap,
+                          unsigned long long* __restrict__ slot_stored_units,
+                          unsigned long long* __restrict__ slot_exact_units) {
   using acc_t = acc_type<scalar_t>;
   using Key = AbsKey<acc_t>;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
@@ -703,8 +758,12 @@ __global__ void __launch_bounds__(kSliceThreads)
     const unsigned long long threshold = ball_prefix[slice.ball_id];
     const unsigned long long need = ball_remaining[slice.ball_id];
     const double minus_r = -entry.radius;
+    const acc_t bound = radius_down<acc_t>(entry.radius);
+    const double scale = slice_scale(table, slice);
+    const double factor = units_factor(rn_mul(static_cast<double>(k), entry.radius));  // the grid of k r
     unsigned long long equal_before = slot_before[s];  // keys == T before this tile, in the ball
     double gap = 0.0;
+    unsigned long long stored_units = 0, exact_units = 0;  // a thread adds at most 16 terms of at most 2^51
     // Every thread runs the same number of tiles: the scan needs the whole block.
     for (int64_t tile = slice.begin; tile < slice.end; tile += kSliceThreads) {
       const int64_t j = tile + threadIdx.x;
@@ -717,12 +776,67 @@ __global__ void __launch_bounds__(kSliceThreads)
       if (valid) {
         const bool chosen = key > threshold || (equal && equal_before + rank_in_tile < need);
         const double vertex = chosen ? rn_mul(minus_r, sign_of(static_cast<double>(d))) : 0.0;
-        gap = rn_add(gap, update_element(theta, j, d, vertex, sc));
+        acc_t stored;
+        double exact;
+        gap = rn_add(gap, update_element<true>(theta, j, d, vertex, sc, scale, bound, entry.radius, stored, exact));
+        stored_units += norm_units(rn_mul(fabs(static_cast<double>(stored)), factor));
+        exact_units += norm_units(rn_mul(fabs(exact), factor));
       }
       equal_before += equal_in_tile;
     }
     gap = block_reduce<kSliceThreads>(gap, SumOp{}, 0.0);
     if (threadIdx.x == 0) slot_gap[s] = gap;
+    if (entry.scale) {
+      stored_units = block_reduce<kSliceThreads>(stored_units, SaturatingSumOp{}, 0ull);
+      exact_units = block_reduce<kSliceThreads>(exact_units, SaturatingSumOp{}, 0ull);
+      if (threadIdx.x == 0) {
+        slot_stored_units[s] = stored_units;
+        slot_exact_units[s] = exact_units;
+      }
+    }
+  }
+}
+
+// ---- The norm feedback -----------------------------------------------------------------------------------
+
+// A warp per ball: the ball's norm sums over its slots (fixed trees; k-sparse: integer units added stopping at
+// their cap, a capped sum counting as infinite) and its next scale, written where its scale lives
+// (next_norm_scale): the Lp step's bound is 1 (sums of (|x| / r)^p), the k-sparse step's k r in units of its
+// grid. kInteger: k-sparse. unit_roundoff: u of the compute type.
+template <bool kInteger>
+__global__ void __launch_bounds__(kBallThreads)
+    feedback_kernel(const __grid_constant__ EntryTable table, GlobalBall global, double p, int64_t k,
+                    double unit_roundoff, const double* __restrict__ slot_stored, const double* __restrict__ slot_exact,
+                    const unsigned long long* __restrict__ slot_stored_units,
+                    const unsigned long long* __restrict__ slot_exact_units) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
+       id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
+    const BallInfo ball = ball_info(table, global, id);
+    double stored, exact, bound;
+    if constexpr (kInteger) {
+      unsigned long long stored_units = 0, exact_units = 0;
+      for (int64_t c = ball.slot_begin + lane; c < ball.slot_end; c += 32) {
+        stored_units = saturating_add(stored_units, slot_stored_units[c]);
+        exact_units = saturating_add(exact_units, slot_exact_units[c]);
+      }
+      stored = units_as_double(warp_reduce(stored_units, SaturatingSumOp{}));
+      exact = units_as_double(warp_reduce(exact_units, SaturatingSumOp{}));
+      const double k_r = rn_mul(static_cast<double>(k), ball.radius);
+      bound = rn_mul(k_r, units_factor(k_r));
+    } else {
+      stored = exact = 0.0;
+      for (int64_t c = ball.slot_begin + lane; c < ball.slot_end; c += 32) {
+        stored = rn_add(stored, slot_stored[c]);
+        exact = rn_add(exact, slot_exact[c]);
+      }
+      stored = warp_reduce(stored, SumOp{});
+      exact = warp_reduce(exact, SumOp{});
+      bound = 1.0;
+    }
+    if (lane == 0 && ball.scale != nullptr && ball.numel > 0) {
+      *ball.scale = next_norm_scale(stored, exact, bound, kInteger ? 1.0 : p, unit_roundoff);
+    }
   }
 }
 
@@ -740,8 +854,9 @@ struct Plan {
   int64_t numel = 0;       // every element of the step
 };
 
+// scales: the norm feedback's state (empty: none); every entry of the global ball points at its one scale.
 Plan plan_step(at::TensorList params, at::TensorList momentum, at::TensorList grads, c10::ArrayRef<double> radii,
-               bool global_ball, c10::IntArrayRef offsets, c10::IntArrayRef row_numel) {
+               bool global_ball, c10::IntArrayRef offsets, c10::IntArrayRef row_numel, at::TensorList scales) {
   Plan plan;
   const int n = static_cast<int>(params.size());
   auto add_entry = [&](int t, int64_t ball_numel, int64_t first_ball, int64_t num_balls, double radius) {
@@ -759,6 +874,8 @@ Plan plan_step(at::TensorList params, at::TensorList momentum, at::TensorList gr
     e.first_slice = plan.num_slices;
     e.first_ball_id = global_ball ? 0 : plan.num_balls;
     e.radius = radius;
+    e.scale = scales.empty() ? nullptr
+                             : global_ball ? scales[0].data_ptr<double>() : scales[t].data_ptr<double>() + first_ball;
     plan.num_slices += num_balls * e.slices_per_ball;
     if (!global_ball) plan.num_balls += num_balls;
     plan.entries.push_back(e);
@@ -817,9 +934,10 @@ void for_each_ball_table(const Plan& plan, bool global_ball, Launch&& launch) {
     std::memset(&table, 0, sizeof(table));
     table.ball_begin = 0;
     table.ball_end = 1;
-    launch(table, GlobalBall{true, plan.num_slices, plan.numel});
+    const Entry& any = plan.entries.front();  // the global ball's radius and scale, in every entry
+    launch(table, GlobalBall{true, plan.num_slices, plan.numel, any.radius, any.scale});
   } else {
-    for_each_table(plan, [&](const EntryTable& table) { launch(table, GlobalBall{false, 0, 0}); });
+    for_each_table(plan, [&](const EntryTable& table) { launch(table, GlobalBall{false, 0, 0, 0.0, nullptr}); });
   }
 }
 
@@ -854,12 +972,15 @@ template <typename scalar_t, Source kSource, bool kMomentum>
 void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum, at::TensorList grads,
                      const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                      bool global_ball, c10::IntArrayRef offsets, int64_t seed, const at::Tensor& gap,
-                     c10::IntArrayRef row_numel, double p, int64_t k) {
+                     c10::IntArrayRef row_numel, double p, int64_t k, at::TensorList scales) {
   using acc_t = acc_type<scalar_t>;
   const int device = params[0].get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
 
-  Plan plan = plan_step(params, momentum, grads, radii, global_ball, offsets, row_numel);
+  // the L-infinity step has no norm feedback: its clamp keeps it in the ball
+  Plan plan = plan_step(params, momentum, grads, radii, global_ball, offsets, row_numel,
+                        set == SetKind::kLInf ? at::TensorList() : scales);
+  const bool feedback = set != SetKind::kLInf && !scales.empty();
   if (plan.num_slices == 0) {  // every tensor is empty
     gap.zero_();
     return;
@@ -871,6 +992,9 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
   const size_t slot_gap_at = layout.take(sizeof(double) * plan.num_slices);
   size_t slot_max_at = 0, slot_sum_at = 0, ball_max_at = 0, ball_norm_at = 0;
   size_t dir_at = 0, slot_count_at = 0, slot_before_at = 0, ball_prefix_at = 0, ball_remaining_at = 0, ball_hist_at = 0;
+  // the norm feedback's per-slice sums (float64 for Lp, units for k-sparse: 8 bytes either way)
+  const size_t slot_stored_at = feedback ? layout.take(8 * plan.num_slices) : 0;
+  const size_t slot_exact_at = feedback ? layout.take(8 * plan.num_slices) : 0;
   if (set == SetKind::kLp) {
     slot_max_at = layout.take(sizeof(double) * plan.num_slices);
     slot_sum_at = layout.take(sizeof(double) * plan.num_slices);
@@ -889,6 +1013,11 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
   char* const base = static_cast<char*>(workspace.data_ptr());
   auto at_offset = [base](size_t offset, auto* type_tag) { return reinterpret_cast<decltype(type_tag)>(base + offset); };
   double* const slot_gap = at_offset(slot_gap_at, static_cast<double*>(nullptr));
+  double* const slot_stored = feedback ? at_offset(slot_stored_at, static_cast<double*>(nullptr)) : nullptr;
+  double* const slot_exact = feedback ? at_offset(slot_exact_at, static_cast<double*>(nullptr)) : nullptr;
+  auto* const slot_stored_units =
+      feedback ? at_offset(slot_stored_at, static_cast<unsigned long long*>(nullptr)) : nullptr;
+  auto* const slot_exact_units = feedback ? at_offset(slot_exact_at, static_cast<unsigned long long*>(nullptr)) : nullptr;
 
   if (set == SetKind::kKSparse) {
     acc_t* const dir = at_offset(dir_at, static_cast<acc_t*>(nullptr));
@@ -913,7 +1042,7 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     });
   } else if (set == SetKind::kLp) {
     const double q = p / (p - 1);  // as reference.lp_vertex computes it: 2.0 exactly for p = 2
-    const LpExponent lp{q, q - 1, 1.0 / q, q == 2.0};
+    const LpExponent lp{q, q - 1, 1.0 / q, p, q == 2.0};
     double* const slot_max = at_offset(slot_max_at, static_cast<double*>(nullptr));
     double* const slot_sum = at_offset(slot_sum_at, static_cast<double*>(nullptr));
     double* const ball_max = at_offset(ball_max_at, static_cast<double*>(nullptr));
@@ -932,7 +1061,7 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     for_each_table(plan, [&](const EntryTable& table) {
       lp_update_kernel<scalar_t, kSource, kMomentum>
           <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, lp, ball_max,
-                                                                     ball_norm, slot_gap);
+                                                                     ball_norm, slot_gap, slot_stored, slot_exact);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
@@ -980,7 +1109,23 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     });
     for_each_table(plan, [&](const EntryTable& table) {
       ksparse_update_kernel<scalar_t><<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(
-          table, schedule_ptr, ball_prefix, ball_remaining, slot_before, slot_gap);
+          table, schedule_ptr, k, ball_prefix, ball_remaining, slot_before, slot_gap, slot_stored_units,
+          slot_exact_units);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+
+  if (feedback) {
+    // each ball's next scale, from its slices' sums: after the update kernels, on the same stream
+    const double unit_roundoff = std::is_same_v<acc_t, double> ? 0x1p-53 : 0x1p-24;
+    for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
+      if (set == SetKind::kKSparse) {
+        feedback_kernel<true><<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(
+            table, global, p, k, unit_roundoff, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
+      } else {
+        feedback_kernel<false><<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(
+            table, global, p, k, unit_roundoff, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -992,12 +1137,13 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
 void set_step_cuda(SetKind set, at::TensorList params, at::TensorList momentum, at::TensorList grads,
                    const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                    bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
-                   c10::IntArrayRef row_numel, double p, int64_t k) {
+                   c10::IntArrayRef row_numel, double p, int64_t k, at::TensorList scales) {
   const char* const op = set == SetKind::kLInf ? "linf_fw_step_"
                          : set == SetKind::kLp ? "lp_fw_step_"
                                                : "ksparse_fw_step_";
   check_fw_step_args(op, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
                      gap, row_numel);
+  check_scales(op, params, scales, global_ball, row_numel);
   if (set == SetKind::kLp) check_lp_exponent(p);
   if (set == SetKind::kKSparse) check_ksparse_k(k);
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
@@ -1009,7 +1155,7 @@ void set_step_cuda(SetKind set, at::TensorList params, at::TensorList momentum, 
     auto run = [&](auto source, auto with_momentum) {
       launch_set_step<scalar_t, decltype(source)::value, decltype(with_momentum)::value>(
           set, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, gap, row_numel, p,
-          k);
+          k, scales);
     };
     dispatch_step_variant(!grads.empty(), distribution, !momentum.empty(), run);
   });
@@ -1020,23 +1166,23 @@ void linf_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::Tenso
                        c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
                        c10::IntArrayRef row_numel) {
   set_step_cuda(SetKind::kLInf, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                distribution, gap, row_numel, 0.0, 0);
+                distribution, gap, row_numel, 0.0, 0, {});
 }
 
 void lp_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorList grads, const at::Tensor& schedule,
                      const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii, bool global_ball,
                      c10::IntArrayRef offsets, int64_t seed, int64_t distribution, const at::Tensor& gap,
-                     c10::IntArrayRef row_numel, double p) {
+                     c10::IntArrayRef row_numel, double p, at::TensorList scales) {
   set_step_cuda(SetKind::kLp, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                distribution, gap, row_numel, p, 0);
+                distribution, gap, row_numel, p, 0, scales);
 }
 
 void ksparse_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorList grads,
                           const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                           bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
-                          const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k) {
+                          const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k, at::TensorList scales) {
   set_step_cuda(SetKind::kKSparse, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                distribution, gap, row_numel, 0.0, k);
+                distribution, gap, row_numel, 0.0, k, scales);
 }
 
 }  // namespace

@@ -39,11 +39,11 @@ def _linf_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii,
 
 @torch.library.register_fake("fgfw::lp_fw_step_")
 def _lp_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                     distribution, gap, row_numel=(), p=2.0) -> None:
+                     distribution, gap, row_numel, p, scales) -> None:
     return None
 
 
 @torch.library.register_fake("fgfw::ksparse_fw_step_")
 def _ksparse_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                          distribution, gap, row_numel=(), k=1) -> None:
+                          distribution, gap, row_numel, k, scales) -> None:
     return None

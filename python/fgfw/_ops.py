@@ -259,14 +259,17 @@ def _set_fw_step_available(kind: str, backend: str) -> bool:
 
 
 def set_fw_step_(kind: str, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                 distribution, gap, backend: str, row_numel=(), param=None) -> None:
+                 distribution, gap, backend: str, row_numel=(), param=None, scales=()) -> None:
     """One fused Frank-Wolfe step over the balls of set ``kind`` (SET_STEPS: 'linf', 'lp' with ``param`` = p,
     'ksparse' with ``param`` = k; see ``reference.<kind>_fw_step_``), arguments prepared as for
-    ``l1_fw_step_(prepared=True)``, on ``backend``."""
+    ``l1_fw_step_(prepared=True)``, on ``backend``. ``scales``: the norm feedback's state of the Lp and k-sparse
+    steps (reference.fw_step_), ignored by the L-infinity step, which needs none."""
     op, keyword = SET_STEPS[kind]
     args = (params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution, gap,
             row_numel)
-    extra = {} if keyword is None else {keyword: param}
+    if keyword is not None:
+        args += (param, list(scales))
+    extra = {}
     if backend in ("cpu", "cuda"):
         getattr(torch.ops.fgfw, op)(*args, **extra)
     elif backend == "triton":

@@ -156,10 +156,11 @@ class Constraint:
     GAUGE = "norm"
     ALLOWED_SCOPES = SCOPES
     PARAMS: tuple[str, ...] = ()  # the set's own constructor keywords (saved by to_dict)
-    # How reference.fw_step_ steps the set: True, keep theta + alpha_vertex s with the feasibility shrink
-    # kappa = 1 - 4u (reference.feasibility_shrink), which keeps rounded iterates inside a set that holds 0
-    # (every norm ball); False, theta + alpha (s - theta) without kappa, for a set on the hyperplane
-    # sum theta = r (the simplex), where kappa pulled the sum below r by (1 - kappa) / alpha relative
+    # How reference.fw_step_ steps a set that has no reference.Feasibility (the L1, L-infinity, Lp and k-sparse
+    # sets have one: docs/feasibility.md): True, keep theta + alpha_vertex s with the feasibility shrink
+    # kappa = 1 - 4u (reference.feasibility_shrink), which keeps rounded iterates inside a set that holds 0;
+    # False, theta + alpha (s - theta) without kappa, for a set on the hyperplane sum theta = r (the simplex),
+    # where kappa pulled the sum below r by (1 - kappa) / alpha relative
     SHRINK_STEP = True
 
     def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None,
@@ -289,7 +290,7 @@ class Constraint:
             for t in tensors:
                 t.mul_(radius / norm)
             # the rescaled values are rounded: shrink by a few ulps until the stored norm is <= r, so that
-            # the step's guarantee (reference.feasibility_shrink) starts from a feasible point
+            # the step's guarantee (docs/feasibility.md) starts from a feasible point
             for _ in range(16):
                 if self.norm(tensors) <= radius:
                     break
@@ -645,7 +646,7 @@ class NonnegativeL1Ball(Simplex):
     i = argmin d_i when d_i < 0, else 0 (the origin). An infeasible start is clamped at 0, then rescaled."""
 
     KIND, NAME, GAUGE = "nonnegative_l1_ball", "non-negative L1 ball", "sum"
-    SHRINK_STEP = True  # holds 0: kappa keeps sum theta <= r, as in the norm balls
+    SHRINK_STEP = True  # holds 0: kappa keeps sum theta <= r
 
     def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
         x = x.detach().reshape(-1).double()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .constraints import L1Ball
+from .constraints import Constraint, KSparsePolytope, L1Ball, L2Ball, LInfBall
 from .forward_grad import DEFAULT_ENGINE
 from .optim import AFGFW, FGFW, FrankWolfe
 
@@ -333,6 +333,77 @@ def least_squares_problem(dim: int, radius: float = 1.0, seed: int = 3):
         return 0.5 * ((q @ theta - y) ** 2).sum()
 
     return f, theta_star, float(f(theta_star))
+
+
+def set_projection(constraint: Constraint, x: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of the float64 vector x onto ``constraint`` at its radius (L1, L2, L-infinity, k-sparse)."""
+    r = constraint.radius
+    if isinstance(constraint, L1Ball):
+        return l1_ball_projection(x, r)
+    if isinstance(constraint, L2Ball):
+        norm = float(torch.linalg.vector_norm(x))
+        return x * (r / norm) if norm > r else x.clone()
+    if isinstance(constraint, LInfBall):
+        return x.clamp(-r, r)
+    if isinstance(constraint, KSparsePolytope):
+        # {|x_i| <= r, ||x||_1 <= k r}: sign(x) clamp(|x| - tau, 0, r) with the least tau >= 0 that meets the L1
+        # bound. mass(tau) is piecewise linear and falling, with kinks at |x_i| and |x_i| - r: find the kinks
+        # around k r and interpolate.
+        magnitude = x.abs()
+        mass = lambda tau: (magnitude[None, :] - tau[:, None]).clamp(0, r).sum(1)  # noqa: E731
+        if float(mass(torch.zeros(1, dtype=x.dtype))) <= constraint.k * r:
+            return x.clamp(-r, r)
+        kinks = torch.cat([torch.zeros(1, dtype=x.dtype), magnitude, (magnitude - r).clamp(min=0)]).unique()
+        masses = mass(kinks)
+        above = int((masses > constraint.k * r).nonzero().max())  # kinks ascend, masses fall
+        t0, t1, m0, m1 = kinks[above], kinks[above + 1], masses[above], masses[above + 1]
+        tau = t0 + (t1 - t0) * (m0 - constraint.k * r) / (m0 - m1)
+        return torch.sign(x) * (magnitude - tau).clamp(0, r)
+    raise ValueError(f"no projection for {constraint!r}: L1Ball, L2Ball, LInfBall or KSparsePolytope")
+
+
+@dataclass
+class LeastSquaresOver:
+    """f(x) = ||A x - b||^2 over a set, with its optimum: A, b in float32 (the runs' data), f evaluated in
+    float64 on those values. ``f_star`` is a certified lower bound: f(x_star) minus the Frank-Wolfe gap
+    ``certificate`` of x_star (f(x) - f* <= <grad f(x), x - s> for every feasible x)."""
+    a: torch.Tensor
+    b: torch.Tensor
+    x_star: torch.Tensor
+    f_star: float
+    certificate: float
+    # -<grad f(x*), x*> = r df*/dr: an iterate a relative delta inside the ball along x* costs about this times delta
+    radius_price: float
+
+    def value(self, x: torch.Tensor) -> float:
+        residual = self.a.double() @ x.detach().double().reshape(-1) - self.b.double()
+        return float(residual @ residual)
+
+    def suboptimality(self, x: torch.Tensor) -> float:
+        return self.value(x) - self.f_star
+
+
+def least_squares_over(constraint: Constraint, dim: int = 50, seed: int = 0,
+                       iterations: int = 3_000) -> LeastSquaresOver:
+    """A least-squares problem over ``constraint`` (radius given, one ball of ``dim`` elements) whose unconstrained
+    optimum lies three radii out (b = A x_far, gauge(x_far) = 3 r), so the set is active at the optimum.
+
+    The optimum comes from projected gradient in float64 (step 1/L; A^T A is well conditioned, so it converges
+    linearly) and is certified by its Frank-Wolfe gap, computed with the set's vertex."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(2 * dim, dim, generator=gen)
+    direction = torch.randn(dim, generator=gen, dtype=torch.float64)
+    x_far = direction * (3.0 * constraint.radius / constraint.gauge(direction))
+    b = (a.double() @ x_far).float()
+    a64, b64 = a.double(), b.double()
+    step = 1.0 / (2.0 * float(torch.linalg.matrix_norm(a64, 2)) ** 2)
+    x = torch.zeros(dim, dtype=torch.float64)
+    for _ in range(iterations):
+        x = set_projection(constraint, x - step * 2.0 * (a64.T @ (a64 @ x - b64)))
+    grad = 2.0 * (a64.T @ (a64 @ x - b64))
+    certificate = float(grad @ (x - constraint.vertex(grad, constraint.radius, (dim,))))
+    residual = a64 @ x - b64
+    return LeastSquaresOver(a, b, x, float(residual @ residual) - certificate, certificate, float(-(grad @ x)))
 
 
 class _Point(nn.Module):

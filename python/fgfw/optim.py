@@ -128,6 +128,15 @@ def _constraint_spec(constraint: Constraint) -> tuple:
     return tuple(constraint.to_dict().items())
 
 
+def _feasibility(constraint: Constraint) -> reference.Feasibility | None:
+    """How a step in torch ops (reference.fw_step_) keeps the constraint's set: the fused sets' Feasibility, the L1
+    ball's (stepped there only with rescale=), or None for the sets stepped with Constraint.SHRINK_STEP."""
+    if isinstance(constraint, L1Ball):
+        return reference.set_feasibility("l1")
+    fused = constraint.fused_step()
+    return None if fused is None else reference.set_feasibility(*fused)
+
+
 def _spec_key(spec) -> object:
     """A schedule as a dict key: names and numbers by value, callables by identity."""
     return spec if isinstance(spec, (str, int, float)) else ("callable", id(spec))
@@ -138,7 +147,8 @@ class _Call:
     steps and with what constants. Only the gradients, the schedule and the gap are made per step."""
 
     __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
-                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_set")
+                 "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_set", "feasibility",
+                 "scales")
 
     def __init__(self, device, dtype, backend, momentum, global_ball, group):
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -155,6 +165,10 @@ class _Call:
         self.zero_grads: dict[int, torch.Tensor] = {}
         self.constraint: Constraint | None = None  # a set other than the L1 ball: stepped by its vertex
         self.fused_set = None  # (kind, parameter) when a fused kernel steps that set (Constraint.fused_step)
+        # how a step in torch ops keeps the set (reference.Feasibility; None: Constraint.SHRINK_STEP)
+        self.feasibility: reference.Feasibility | None = None
+        # the norm feedback's scale of every ball (state "norm_scale", _make_state) where the set has one
+        self.scales: list[torch.Tensor] = []
 
 
 class _Plan:
@@ -492,6 +506,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     raise ValueError(f"state_dict's {key} of parameter {i} of param group {g} has shape "
                                      f"{tuple(value.shape)}, the parameter has shape {tuple(p.shape)}: the state "
                                      f"was saved for another model")
+            scale = entry.get("norm_scale")
+            if scale is not None and (not isinstance(scale, torch.Tensor) or not scale.is_floating_point()
+                                      or scale.dim() != 1):
+                raise ValueError(f"state_dict's norm_scale of parameter {i} of param group {g} must be a 1-D floating "
+                                 f"tensor (one scale per ball), got {scale!r}")
             vector = entry.get("singular_vector")
             if vector is not None:
                 columns = p.numel() // p.shape[0] if p.dim() >= 2 and p.shape[0] else p.numel()
@@ -547,7 +566,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
-            if "singular_vector" in saved:  # float64, as the last step left it: resumes bit-identically
+            if "norm_scale" in saved:  # float64, as the step wrote it: resumes bit-identically
+                self.state[p]["norm_scale"] = saved["norm_scale"].to(device=p.device, dtype=torch.float64, copy=True)
+            if "singular_vector" in saved:  # float64, as the power iterations left it: resumes bit-identically
                 self.state[p]["singular_vector"] = saved["singular_vector"].to(device=p.device, dtype=torch.float64,
                                                                                copy=True)
         self._load_extra_state(extra)
@@ -558,8 +579,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         """The float32 master copy of a float16/bfloat16 parameter (made at its first step).
 
-        The step's arithmetic keeps a float32 iterate exactly inside its ball (reference.feasibility_shrink);
-        stepping the half-precision values themselves would round them every step, and alpha |theta_i|
+        The step's arithmetic keeps a float32 iterate inside its set (docs/feasibility.md); stepping the
+        half-precision values themselves would round them every step, and alpha |theta_i|
         below half an ulp would stop an element from shrinking while the vertex element grows: the
         iterate drifts out of the ball. The optimizer owns the parameter's value from then on: a value
         written into the parameter from outside is overwritten by the next step (load it through
@@ -664,6 +685,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                     if (fused_set is not None and shared[0] != "torch"
                             and _ops.set_fw_step_available(fused_set[0], shared[0])):
                         call.fused_set = fused_set
+                    # the L1 op keeps its balls by itself; the other steps by a Feasibility (with state, for some)
+                    call.feasibility = None if fused else _feasibility(constraint)
                     if constraint.global_ball:
                         call.radii = [float(r) for r in group["radii"]]
                 if constraint.global_ball and self._missing_gradient(p):
@@ -692,6 +715,17 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 if "momentum" not in state:
                     state["momentum"] = torch.zeros_like(p, dtype=call.dtype)
                 call.moms.append(state["momentum"])
+        if call.feasibility is not None and call.feasibility.p is not None:
+            # one scale per ball of each parameter (rows, or the tensor); the global ball's in its first parameter's
+            # state. A scale of another layout (the scope changed) starts again from 1.
+            holders = call.params[:1] if call.global_ball else call.params
+            for p, n in zip(holders, call.row_numel or [0] * len(holders)):
+                balls = 1 if call.global_ball or n == 0 else p.numel() // n
+                state = self.state[p]
+                scale = state.get("norm_scale")
+                if scale is None or scale.shape != (balls,) or scale.device != p.device:
+                    state["norm_scale"] = torch.ones(balls, dtype=torch.float64, device=p.device)
+                call.scales.append(state["norm_scale"])
 
     def _missing_gradient(self, p: torch.Tensor) -> bool:
         """Whether p has no gradient to read (FrankWolfe: ``p.grad is None``); a global ball then reads zeros."""
@@ -793,7 +827,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if call.fused_set is not None:
                 _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
                                   schedule[c], coeffs_on[device], call.radii, call.global_ball, call.starts, seed,
-                                  distribution, gap, call.backend, call.row_numel, call.fused_set[1])
+                                  distribution, gap, call.backend, call.row_numel, call.fused_set[1], call.scales)
             elif isinstance(call.constraint, constraints.Unconstrained):
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
@@ -809,7 +843,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                    coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution,
                                    gap, call.row_numel, shrink=call.constraint.SHRINK_STEP,
                                    rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter,
-                                   row_vertices=call.constraint.row_vertices)
+                                   row_vertices=call.constraint.row_vertices, feasibility=call.feasibility,
+                                   scales=call.scales)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,

@@ -21,6 +21,8 @@ counter = (q lo, q hi, step, tangent_id) with q = i // 4 and takes word i % 4.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -120,26 +122,116 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def feasibility_shrink(cdt: torch.dtype) -> float:
-    """kappa = 1 - 4u (u the unit roundoff of the compute dtype cdt, float32 or float64): the factor that
-    keeps every rounded iterate inside its ball.
+    """kappa = 1 - 4u (u the unit roundoff of the compute dtype cdt, float32 or float64): the factor with which
+    :func:`fw_step_` steps a set that has no fused step and no :class:`Feasibility` of its own (``shrink=True``:
+    the group-L1 and nuclear-norm balls, the non-negative L1 ball).
 
-    The step scales theta by keep = RN(RN(1 - alpha) kappa) and moves the vertex element by
-    RN(RN(alpha kappa) s_i*), every product and sum rounded to nearest in cdt. Each stored |theta_i| is
-    then at most its exact convex-combination value: with at most four roundings of (1 + u) on any
-    element, (1 + u)^4 (1 - 4u) < 1, so ||theta_new||_1 <= (1 - alpha) ||theta||_1 + alpha r <= r holds
-    for the values as stored, step after step, with no drift (README, "Guarantees"). The price is an extra relative shrink of 4u per step (1e-7 in float32), far below any
-    useful alpha. Parameters stored in float16/bfloat16 round once more, to their own precision; the
-    optimizers keep a float32 master copy of them for that reason.
+    Such a step scales theta by RN(RN(1 - alpha) kappa) and moves it by RN(RN(alpha kappa) s_i): with at most four
+    roundings of (1 + u) on any element, (1 + u)^4 (1 - 4u) < 1, so the rounded iterate stays in the set. The price
+    is a relative shrink of 4u at every step, which biases the iterate inward by (1 - kappa) / alpha: 2u (k + 2)
+    with alpha = 2 / (k + 2), growing with the step count. The fused sets do without it (docs/feasibility.md).
     """
     return 1.0 - 4.0 * torch.finfo(cdt).eps / 2
 
 
 def step_factors(alpha: float, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keep, alpha_vertex) of a step in the compute dtype: theta_i <- keep theta_i for every element,
-    then theta_i* <- theta_i* + alpha_vertex s_i* (see feasibility_shrink)."""
-    kappa = torch.tensor(feasibility_shrink(cdt), dtype=cdt)
-    alpha_c = torch.tensor(alpha, dtype=cdt)
-    return (1 - alpha_c) * kappa, alpha_c * kappa
+    """(keep, alpha) of a step in the compute dtype: keep = RN(1 - alpha), from alpha in float64, and alpha
+    rounded. The L1 step scales every element by keep (the vertex element is then set by l1_vertex_value); the
+    dense steps use alpha (dense_update)."""
+    return torch.tensor(1.0 - alpha, dtype=torch.float64).to(cdt), torch.tensor(alpha, dtype=torch.float64).to(cdt)
+
+
+# -- What keeps the rounded iterates in their sets (docs/feasibility.md) ----------------------------------------------
+# A step's norm sums count in units of 2^(E - NORM_GRID_BITS), 2^E the smallest power of two >= the radius: a value
+# |x| <= r is at most 2^51 units, a float32 value of at least 2^-28 r is a whole number of units, and integer sums
+# are exact in any order, so that every backend, however it splits a ball, gets the same sums and the same bits.
+# An element counts at most 2^51 units (|x| >= 2^E >= r: outside its ball; inf and NaN too), and a ball's sums stop
+# at 2^61 (a norm of 2^10 2^E or more): so that no partial sum overflows int64 in any backend, and sums that stop at
+# a cap are order-free too. Either cap is reached only by a ball already outside, which then steps plainly.
+NORM_GRID_BITS = 51
+_UNITS_CAP = 2.0 ** 51
+NORM_SUM_CAP = 2 ** 61
+
+
+def norm_grid_exponent(radius: float) -> int:
+    """E: 2^E is the smallest power of two >= radius, and at least 2^-970 (so that 2^(51 - E) is a float64)."""
+    mantissa, exponent = math.frexp(radius)
+    return max(exponent - 1 if mantissa == 0.5 else exponent, -970)
+
+
+def norm_units(x: torch.Tensor, exponent: int | torch.Tensor) -> torch.Tensor:
+    """|x| in units of 2^(E - 51), rounded to the nearest integer (ties to even), as int64: |x| 2^(51 - E) in
+    float64 (a product by a power of two: exact), at most 2^51 (NaN counts 2^51). ``exponent``: one E, or one
+    per element (an int64 tensor)."""
+    if isinstance(exponent, torch.Tensor):
+        factors = {e: math.ldexp(1.0, NORM_GRID_BITS - e) for e in exponent.unique().tolist()}
+        factor = torch.zeros(exponent.shape, dtype=torch.float64, device=x.device)
+        for e, f in factors.items():
+            factor[exponent == e] = f
+    else:
+        factor = math.ldexp(1.0, NORM_GRID_BITS - exponent)
+    v = x.double().abs() * factor
+    v = torch.where(v < _UNITS_CAP, v, torch.full_like(v, _UNITS_CAP))
+    return torch.round(v).to(torch.int64)
+
+
+def norm_sums(units: torch.Tensor) -> torch.Tensor:
+    """The sums of norm_units along the last dimension (int64), each stopped at NORM_SUM_CAP: pairwise, every
+    partial stopped at the cap, so that none overflows (terms and partials are at most 2^61), and since the terms are
+    >= 0 the result is min(the exact sum, the cap) whatever the order."""
+    x = units
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)
+        x = (x[..., 0::2] + x[..., 1::2]).clamp(max=NORM_SUM_CAP)
+    return x[..., 0] if x.shape[-1] else torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+
+
+def _round_to(value: float, cdt: torch.dtype) -> float:
+    """value (float64) rounded to nearest in cdt, as a Python float."""
+    return float(torch.tensor(value, dtype=torch.float64).to(cdt))
+
+
+def _toward_zero(value: float, cdt: torch.dtype) -> float:
+    """The cdt value next to ``value`` (a cdt value) toward 0."""
+    return float(torch.nextafter(torch.tensor(value, dtype=cdt), torch.zeros((), dtype=cdt)))
+
+
+def _sign(x: float) -> float:
+    """torch.sign of a float: 0 for 0 and for NaN."""
+    return float((x > 0) - (x < 0))
+
+
+def l1_vertex_value(x: float, d: float, alpha: float, radius: float, numel: int, old_units: int, new_units: int,
+                    cdt: torch.dtype) -> float:
+    """The new value of an L1 ball's vertex element i*, in cdt, once every element of the ball has been scaled:
+    theta_i <- RN(keep theta_i) (step_factors). ``x`` is the scaled value stored at i*, ``d`` = d_i*, ``numel``
+    the ball's elements, ``old_units`` and ``new_units`` the ball's norm_sums of theta before the step and of the
+    values stored by the scaling, on the grid of ``radius`` (norm_grid_exponent).
+
+    * The exact step moves i* to w = x + alpha s (s = -r sign(d)), in float64.
+    * Rounding the scaling of every element moved the ball's norm by ``excess`` from the exact
+      (1 - alpha) ||theta_old||: the vertex element takes it back, |theta_i*| = |w| + excess, so that the ball's
+      norm follows the exact iteration to within one rounding of theta_i*.
+    * It never takes more than ``room``: the others' stored norm is bounded from above (each units sum is within
+      numel / 2 units of the exact one; 2 units cover the rounding of room itself), so the ball's stored norm
+      stays at most r - exactly inside, step after step.
+    Then rounded to cdt, and one cdt value toward 0 if that rounding went past ``room``. A ball whose old norm
+    provably exceeds r (a start outside the ball, which the optimizers never step) takes w rounded: the plain step.
+    """
+    unit = math.ldexp(1.0, norm_grid_exponent(radius) - NORM_GRID_BITS)
+    s = -radius * _sign(d)
+    w = x + alpha * s
+    if (old_units - numel) * unit > radius:
+        return _round_to(w, cdt)
+    excess = (1.0 - alpha) * (old_units * unit) - new_units * unit
+    target = abs(w) + excess
+    room = radius - (new_units + numel + 2) * unit + abs(x)
+    magnitude = room if target > room else target
+    if magnitude < 0:
+        magnitude = 0.0
+    y = _round_to(math.copysign(magnitude, w), cdt)
+    return _toward_zero(y, cdt) if abs(y) > room else y
 
 
 def direction(param: torch.Tensor, grad: torch.Tensor | None, tangent_coeffs: torch.Tensor, seed: int,
@@ -199,27 +291,37 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
       tensor); one for the global ball. ``row_numel`` empty means 0 for every tensor.
     * LMO per ball of radius r: i* = argmax |d_i| over the ball (lowest index wins ties),
       s = -r sign(d_i*) e_i*.
-    * theta <- (1 - alpha) theta + alpha s, computed as keep theta + alpha_vertex s (step_factors): the
-      factors carry kappa = 1 - 4u so that the rounded iterate stays in the ball (feasibility_shrink).
+    * theta <- (1 - alpha) theta + alpha s: every element scaled, theta_i <- RN(keep theta_i) (step_factors), then
+      the vertex element set by l1_vertex_value, which takes back what the scaling's roundings moved the ball's
+      norm and keeps the stored iterate inside the ball (docs/feasibility.md).
     * ``gap`` <- the Frank-Wolfe gap <d, theta - s> at the old theta, summed over balls.
     """
     alpha, balls, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball,
                                            offsets, seed, distribution, row_numel)
     total_gap = 0.0
+    olds, news = [], []
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
-        total_gap += float((directions[t].double() * p.reshape(-1).double()).sum())
+        old = p.reshape(-1).to(cdt, copy=True)  # the values before the step (p changes below)
+        total_gap += float((directions[t].double() * old.double()).sum())
         keep, _ = step_factors(alpha, cdt)
         p.copy_((keep * p.to(cdt)).to(p.dtype))
+        olds.append(old)
+        news.append(p.reshape(-1))
 
-    def vertex_update(t: int, i: int, r: float) -> float:
-        """theta_i* += alpha s_i* for element i of tensor t; returns the vertex's share r |d_i*| of the gap."""
+    def units(values: list[torch.Tensor], pieces: list[tuple[int, int, int]], radius: float) -> int:
+        exponent = norm_grid_exponent(radius)
+        return int(norm_sums(torch.cat([norm_units(values[t][start:start + length], exponent)
+                                        for t, start, length in pieces])))
+
+    def vertex_update(t: int, i: int, r: float, pieces: list[tuple[int, int, int]]) -> float:
+        """theta_i* of element i of tensor t (its ball made of ``pieces``); returns r |d_i*|, its share of the gap."""
         d_i = directions[t][i]
         p_flat = params[t].view(-1)
         cdt = compute_dtype(p_flat.dtype)
-        s_i = -torch.tensor(r, dtype=cdt) * torch.sign(d_i)
-        _, alpha_vertex = step_factors(alpha, cdt)
-        p_flat[i] = (p_flat[i].to(cdt) + alpha_vertex * s_i).to(p_flat.dtype)
+        numel = sum(length for _, _, length in pieces)
+        p_flat[i] = l1_vertex_value(float(p_flat[i]), float(d_i), alpha, r, numel, units(olds, pieces, r),
+                                    units(news, pieces, r), cdt)
         return float(d_i.abs()) * r
 
     live = [t for t, d in enumerate(directions) if d.numel() > 0]
@@ -228,13 +330,97 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
             maxima = torch.stack([directions[t].abs().max().double() for t in live])
             best = int(torch.argmax(maxima))  # first tensor holding the max: lowest global index
             t = live[best]
-            total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[0])
+            total_gap += vertex_update(t, int(torch.argmax(directions[t].abs())), radii[0], balls)
     else:
         for (t, start, length), r in zip(balls, radii):
             if length:
                 d_ball = directions[t][start:start + length]
-                total_gap += vertex_update(t, start + int(torch.argmax(d_ball.abs())), r)
+                total_gap += vertex_update(t, start + int(torch.argmax(d_ball.abs())), r, [(t, start, length)])
     gap.fill_(total_gap)
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    """How a dense step keeps its rounded iterate in its set without shrinking it (docs/feasibility.md). The update
+    is theta + alpha (s - theta), which leaves an element equal to its vertex value where it is; then
+
+    * ``clamp``: every |theta_i| is held at most R, the radius rounded down to the compute dtype (and the vertex
+      values -r sign(d) are +-R): the L-infinity ball and the k-sparse polytope, exactly;
+    * ``p`` (or None): norm feedback on ||theta||_p <= ``bound`` r. The step sums the norm of what it stores and of
+      the step in exact arithmetic (float64), and the next step scales the ball's theta by their ratio (capped by
+      the bound; ``scales``, one per ball) before it updates it: the stored norm follows the exact iteration
+      instead of drifting with the roundings, and exceeds the bound by at most one step's rounding.
+    """
+    clamp: bool = False
+    p: float | None = None
+    bound: float = 1.0
+
+
+def set_feasibility(kind: str, param: float | int | None = None) -> Feasibility:
+    """The Feasibility of a set by its step's kind: 'l1' (an L1 ball stepped densely, as with rescale=), 'linf',
+    'lp' (param p) or 'ksparse' (param k: |theta_i| <= r and ||theta||_1 <= k r)."""
+    if kind == "l1":
+        return Feasibility(p=1.0)
+    if kind == "linf":
+        return Feasibility(clamp=True)
+    if kind == "lp":
+        return Feasibility(p=float(param))
+    if kind == "ksparse":
+        return Feasibility(clamp=True, p=1.0, bound=float(param))
+    raise ValueError(f"kind must be 'l1', 'linf', 'lp' or 'ksparse', got {kind!r}")
+
+
+# The next step's scale stays within 1 +- NORM_SCALE_BAND u: one step's rounding moves a norm by less than 8u
+# (docs/feasibility.md); a ratio beyond that comes from underflowed powers or from values changed between steps.
+NORM_SCALE_BAND = 16
+
+
+def next_norm_scale(stored: float, exact: float, bound: float, p: float, cdt: torch.dtype) -> float:
+    """The scale the next step applies to a ball's theta: (min(exact, bound) / stored)^(1/p), within
+    1 +- NORM_SCALE_BAND u (u of cdt); 1 when ``stored`` is 0 or either sum is not finite. ``stored`` and ``exact``
+    are the ball's sums of |theta_i| in norm_units (p = 1; ``bound`` in units) or of (|theta_i| / r)^p in float64
+    (p > 1; ``bound`` = 1): of the values the step stored and of its exact (float64) values."""
+    if not (math.isfinite(stored) and math.isfinite(exact) and stored > 0):
+        return 1.0
+    ratio = min(exact, bound) / stored
+    scale = ratio if p == 1.0 else math.pow(ratio, 1.0 / p)
+    band = NORM_SCALE_BAND * torch.finfo(cdt).eps / 2
+    return min(max(scale, 1.0 - band), 1.0 + band)
+
+
+def _at_most(x: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """x with every element held within [-bound, bound] (NaN stays NaN)."""
+    return torch.where(x > bound, bound, torch.where(x < -bound, -bound, x))
+
+
+def radius_down(radius: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """The radius (float64) rounded down to cdt: the largest value of cdt that is <= r."""
+    rounded = radius.to(cdt)
+    return torch.where(rounded.double() > radius, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)
+
+
+def dense_update(theta: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor,
+                 radius: torch.Tensor, clamp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dense step of elements: (theta_new in theta's dtype, the compute dtype; the exact step in float64).
+    ``theta`` as stored, ``s`` the vertex, ``alpha`` (the step), ``scale`` (the norm feedback's, 1 without) and
+    ``radius`` per element in float64 (see Feasibility):
+
+        t = RN(scale theta);  s' = RN(s) (held within +-R);  theta_new = RN(t + RN(RN(alpha) RN(s' - t)))
+        (held within +-R),    exact = scale theta + alpha (s - scale theta) (held within +-r)
+    """
+    cdt = theta.dtype
+    scaled_exact = scale * theta.double()
+    scaled = scaled_exact.to(cdt)
+    vertex = s.to(cdt)
+    exact = scaled_exact + alpha * (s - scaled_exact)
+    if clamp:
+        bound = radius_down(radius, cdt)
+        vertex = _at_most(vertex, bound)
+    new = scaled + alpha.to(cdt) * (vertex - scaled)
+    if clamp:
+        new = _at_most(new, bound)
+        exact = _at_most(exact, radius)
+    return new, exact
 
 
 def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tensor], params: Sequence[torch.Tensor],
@@ -243,19 +429,26 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
              distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (), shrink: bool = True,
              rescale: str | None = None,
              l2_diameter: Callable[[tuple[int, ...], float], float] | None = None,
-             row_vertices: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+             row_vertices: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             feasibility: Feasibility | None = None, scales: Sequence[torch.Tensor] = ()) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
-    "tensor", ``(n,)`` for a row or the global ball). Directions, momentum, balls, radii, the
-    theta update (keep theta + alpha_vertex s, step_factors) and the gap <d, theta - s> are the L1 step's.
-    With the L1 vertex it gives the L1 step's values (tests/test_constraints.py).
+    "tensor", ``(n,)`` for a row or the global ball). Directions, momentum, balls, radii and the gap
+    <d, theta - s> are the L1 step's.
 
-    The vertex is computed from the direction in float64 (the same choice: a float32 direction is exact in
-    float64); the gap uses that vertex, the update its rounding to the compute dtype. Where ``vertex`` is
-    ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
-    would pull the iterate off), the update is theta + alpha (s - theta) instead, without kappa: it keeps
-    sum theta = r up to rounding for any alpha.
+    The vertex is computed from the direction in float64 (a float32 direction is exact in float64); the gap uses
+    that vertex, the update its rounding to the compute dtype. The update:
+
+    * ``feasibility`` given (the L-infinity, Lp and k-sparse sets, and the L1 ball stepped densely): dense_update,
+      with ``scales`` the norm feedback's state when ``feasibility.p`` is set: empty (no feedback: each step
+      scales by 1), or one float64 tensor per parameter holding one scale per ball of it (one tensor of one
+      element for the global ball), read before the update and written after it (next_norm_scale).
+    * else ``shrink=True``: keep theta + alpha_vertex s with both factors carrying kappa (feasibility_shrink), for
+      the sets without a Feasibility (group L1, nuclear norm, non-negative L1).
+    * ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
+      would pull the iterate off): theta + alpha (s - theta), without kappa: it keeps sum theta = r up to
+      rounding for any alpha.
 
     ``row_vertices(d_rows, radii)`` (optional, a set's batched vertex): the row balls of each tensor are
     computed at once, (rows, n) in one call, instead of one ``vertex`` call per row.
@@ -303,21 +496,117 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
                 vertices[t][start:start + length] = vertex(directions[t][start:start + length].double(), r, shape)
     steps = None if rescale is None else _rescaled_steps(rescale, alpha, params, directions, vertices, balls, radii,
                                                          global_ball, row_numel, l2_diameter)
+    feedback = feasibility is not None and feasibility.p is not None and len(scales) > 0
+    if feasibility is not None:
+        ball_of, ball_scale = _ball_elements(params, balls, global_ball, scales if feedback else ())
+        ball_radius = [float(r) for r in radii]
+        # the norm feedback's terms of each tensor: p = 1, units on the grid of the bound (bound r); p > 1,
+        # (|x| / r)^p; of the values stored and of the exact step
+        stored_terms, exact_terms = [None] * len(params), [None] * len(params)
+        if feedback and feasibility.p == 1.0:
+            exponents = [norm_grid_exponent(feasibility.bound * r) for r in ball_radius]
     total_gap = 0.0
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
         d, s64 = directions[t], vertices[t]
         theta = p.reshape(-1).to(cdt)
         total_gap += float((d.double() * (theta.double() - s64)).sum())
+        if feasibility is not None:
+            balls_t = ball_of[t]
+            radius = torch.tensor(ball_radius, dtype=torch.float64, device=p.device)[balls_t]
+            alpha_t = torch.full_like(s64, alpha) if steps is None else steps[t]
+            scale = ball_scale.to(p.device)[balls_t]
+            new, exact = dense_update(theta, s64, alpha_t, scale, radius, feasibility.clamp)
+            p.copy_(new.reshape(p.shape).to(p.dtype))
+            if feedback:
+                stored = p.reshape(-1).double()
+                if feasibility.p == 1.0:
+                    element_exponent = torch.tensor(exponents, dtype=torch.int64, device=p.device)[balls_t]
+                    stored_terms[t], exact_terms[t] = (norm_units(x, element_exponent) for x in (stored, exact))
+                else:
+                    stored_terms[t], exact_terms[t] = ((x.abs() / radius) ** feasibility.p for x in (stored, exact))
+            continue
         s_t = s64.to(cdt)
         a = torch.tensor(alpha, dtype=cdt) if steps is None else steps[t].to(cdt)  # a step per element
         if shrink:
             kappa = torch.tensor(feasibility_shrink(cdt), dtype=cdt)
-            new = (1 - a) * kappa * theta + a * kappa * s_t  # step_factors, per element where rescaled
+            new = (1 - a) * kappa * theta + a * kappa * s_t  # per element where rescaled
         else:
             new = theta + a * (s_t - theta)
         p.copy_(new.reshape(p.shape).to(p.dtype))
+    if feedback:
+        cdt = compute_dtype(params[0].dtype)
+        integer = feasibility.p == 1.0
+        sums = [_ball_sums(terms, balls, global_ball, integer) for terms in (stored_terms, exact_terms)]
+        for b, r in enumerate(ball_radius):
+            if integer:
+                # a capped units sum counts as infinite: next_norm_scale leaves the ball's scale at 1
+                stored, exact = (float(x[b]) if x[b] < NORM_SUM_CAP else math.inf for x in sums)
+                bound = feasibility.bound * r * math.ldexp(1.0, NORM_GRID_BITS - exponents[b])
+            else:
+                stored, exact = sums[0][b], sums[1][b]
+                bound = feasibility.bound ** feasibility.p
+            ball_scale[b] = next_norm_scale(stored, exact, bound, feasibility.p, cdt)
+        _write_scales(scales, ball_scale, params, balls, global_ball)
     gap.fill_(total_gap)
+
+
+def _ball_sums(terms: list[torch.Tensor], balls, global_ball: bool, integer: bool) -> list:
+    """Each ball's sum of its elements' terms (one tensor of terms per parameter, flat): norm_sums for integer
+    units, float64 sums otherwise; as Python numbers, in ball order (one for the global ball)."""
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return norm_sums(x) if integer else x.sum(dim=-1)
+
+    if global_ball:
+        return [total(torch.cat([x.cpu() for x in terms])).item()]
+    out = []
+    for t, x in enumerate(terms):
+        count = sum(1 for b in balls if b[0] == t)
+        if count:
+            out.extend(total(x.cpu().reshape(count, -1)).tolist())
+    return out
+
+
+def _ball_elements(params, balls, global_ball: bool, scales) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per tensor, the ball of each element (an index into radii; 0 for the global ball), and each ball's scale
+    read from ``scales`` (1 where it is empty), as a float64 tensor on the CPU."""
+    count = 1 if global_ball else len(balls)
+    ball_of = [torch.zeros(p.numel(), dtype=torch.int64, device=p.device) for p in params]
+    if not global_ball:
+        for b, (t, start, length) in enumerate(balls):
+            ball_of[t][start:start + length] = b
+    scale = torch.ones(count, dtype=torch.float64)
+    if scales:
+        _check_scales(scales, params, balls, global_ball)
+        scale = scales[0].detach().double().cpu().reshape(1) if global_ball else \
+            torch.cat([x.detach().double().cpu().reshape(-1) for x in scales])
+    return ball_of, scale.clone()
+
+
+def _check_scales(scales, params, balls, global_ball: bool) -> None:
+    if global_ball:
+        ok = len(scales) == 1 and scales[0].numel() == 1
+        want = "one tensor of one element for the global ball"
+    else:
+        counts = [sum(1 for t_, _, _ in balls if t_ == t) for t in range(len(params))]
+        ok = len(scales) == len(params) and all(x.numel() == c for x, c in zip(scales, counts))
+        want = f"one tensor per parameter with one scale per ball of it ({counts})"
+    if not ok or any(x.dtype != torch.float64 for x in scales):
+        raise ValueError(f"scales must be empty or {want}, float64, got "
+                         f"{[(tuple(x.shape), x.dtype) for x in scales]}")
+
+
+def _write_scales(scales, ball_scale: torch.Tensor, params, balls, global_ball: bool) -> None:
+    """The next scales into ``scales``, but for empty balls (no element: their scale is left as it was)."""
+    if global_ball:
+        if any(p.numel() for p in params):
+            scales[0].fill_(float(ball_scale[0]))
+        return
+    at = 0
+    for t, x in enumerate(scales):
+        if params[t].numel():
+            x.copy_(ball_scale[at:at + x.numel()].reshape(x.shape))
+        at += x.numel()
 
 
 def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -325,10 +614,10 @@ def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tenso
                   offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
                   row_numel: Sequence[int] = ()) -> None:
     """One Frank-Wolfe step over L-infinity ball(s), in place: :func:`fw_step_` with the vertex
-    ``-r sign(d)`` of every ball (the spec of the fused ``linf_fw_step_`` kernel: one pass, the vertex is
-    elementwise; ``constraints.LInfBall.vertex``)."""
+    ``-r sign(d)`` of every ball, every element held within +-R (the spec of the fused ``linf_fw_step_`` kernel:
+    one pass, the vertex is elementwise; ``constraints.LInfBall.vertex``)."""
     fw_step_(lambda d, r, shape: -r * torch.sign(d), params, momentum, grads, schedule, tangent_coeffs, radii,
-             global_ball, offsets, seed, distribution, gap, row_numel)
+             global_ball, offsets, seed, distribution, gap, row_numel, feasibility=set_feasibility("linf"))
 
 
 def _unit_max(d: torch.Tensor) -> torch.Tensor:
@@ -375,27 +664,30 @@ def ksparse_vertex(d: torch.Tensor, radius: float, k: int) -> torch.Tensor:
 def lp_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
                 offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (),
-                p: float = 2.0) -> None:
-    """One Frank-Wolfe step over Lp ball(s), 1 < p < inf: :func:`fw_step_` with :func:`lp_vertex` (the spec
-    of the fused ``lp_fw_step_`` kernels: a reduction pass for max|d| and ||d/max|d| ||_q per ball, then the
-    update pass)."""
+                p: float = 2.0, scales: Sequence[torch.Tensor] = ()) -> None:
+    """One Frank-Wolfe step over Lp ball(s), 1 < p < inf: :func:`fw_step_` with :func:`lp_vertex` and the norm
+    feedback on ||theta||_p <= r through ``scales`` (the spec of the fused ``lp_fw_step_`` kernels: a reduction
+    pass for max|d| and ||d/max|d| ||_q per ball, then the update pass, which also sums the norms)."""
     if not 1 < p < float("inf"):
         raise ValueError(f"p must satisfy 1 < p < inf, got {p}")
     fw_step_(lambda d, r, shape: lp_vertex(d, r, p), params, momentum, grads, schedule, tangent_coeffs, radii,
-             global_ball, offsets, seed, distribution, gap, row_numel)
+             global_ball, offsets, seed, distribution, gap, row_numel, feasibility=set_feasibility("lp", p),
+             scales=scales)
 
 
 def ksparse_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                      grads: Sequence[torch.Tensor], schedule: torch.Tensor, tangent_coeffs: torch.Tensor,
                      radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
-                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1) -> None:
-    """One Frank-Wolfe step over k-sparse polytope(s): :func:`fw_step_` with :func:`ksparse_vertex` (the spec
-    of the fused ``ksparse_fw_step_`` kernels: a selection of the k-th largest |d| per ball, then the update
-    pass)."""
+                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1,
+                     scales: Sequence[torch.Tensor] = ()) -> None:
+    """One Frank-Wolfe step over k-sparse polytope(s): :func:`fw_step_` with :func:`ksparse_vertex`, every element
+    held within +-R and the norm feedback on ||theta||_1 <= k r through ``scales`` (the spec of the fused
+    ``ksparse_fw_step_`` kernels: a selection of the k-th largest |d| per ball, then the update pass)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     fw_step_(lambda d, r, shape: ksparse_vertex(d, r, k), params, momentum, grads, schedule, tangent_coeffs, radii,
-             global_ball, offsets, seed, distribution, gap, row_numel)
+             global_ball, offsets, seed, distribution, gap, row_numel, feasibility=set_feasibility("ksparse", k),
+             scales=scales)
 
 
 RESCALES = ("diameter", "gradient")

@@ -12,15 +12,16 @@ launches, with no host synchronisation (schedule and coefficients are read by po
    ball's length plus its lead, see below; classes keep a ball of 5 from being padded to 1024): each
    program holds BLOCK // SEG consecutive balls of one tensor as the rows of a [BALLS, SEG]
    tile, regenerates the K tangents (or reads the gradient), updates v, takes each row's argmax |d|
-   (lowest index on ties, NaN counted largest, as torch.argmax), writes theta scaled by keep ~ 1 - alpha
-   with the winner moved to the vertex, theta_i* + alpha_vertex (-r sign(d_i*)) (_step_factors), in the
-   same store, and
+   (lowest index on ties, NaN counted largest, as torch.argmax) and each row's norm sums (of theta and of
+   theta scaled by keep = RN(1 - alpha), in fixed-point units: feasibility._norm_units), writes the scaled
+   theta with the winner set by feasibility._l1_vertex_value (reference.l1_vertex_value) in the same store, and
    writes each ball's share of the gap, sum(d * theta_old) + r |d_i*|, in float64.
 2. ``_fw_blocks_kernel``, one program per block of BLOCK elements of a long ball's segment (a whole
    tensor or one long row): the same update without the vertex, writing the block's partials to its
-   slot: the signed d of its largest |d|, that index, and sum(d * theta_old) in float64.
-3. ``_fw_finalize_kernel``, one program per long ball: reduces its slots the same way, applies the
-   vertex update to the winning element (index read on the device) and writes the ball's share.
+   slot: the signed d of its largest |d|, that index, sum(d * theta_old) in float64 and the two norm sums.
+3. ``_fw_finalize_kernel``, one program per long ball: reduces its slots the same way (the norm sums
+   stopped at their cap, feasibility._saturating_add), sets the winning element (index read on the device)
+   and writes the ball's share.
 4. ``_gap_sum_kernel``, only when there are several balls: sums the shares into ``gap`` in ball
    order (fixed, so the gap is deterministic).
 
@@ -57,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .feasibility import _capped_sum, _l1_vertex_value, _norm_units, _saturating_add, units_factor
 from .tangent import (BLOCK, INTERPRET, ROWS, TL_DTYPES, _box_muller, _philox4x32_10, _rademacher,
                       check_distribution, device_of, key_words, tangent_tile, to_storage)
 
@@ -90,8 +92,6 @@ _MIN_ROW_SEG = 4
 _RBLOCK = 1024
 
 _INF = tl.constexpr(float("inf"))
-_KAPPA_F32 = tl.constexpr(reference.feasibility_shrink(torch.float32))
-_KAPPA_F64 = tl.constexpr(reference.feasibility_shrink(torch.float64))
 _NO_INDEX = tl.constexpr(2**31 - 1)
 
 
@@ -127,15 +127,10 @@ def _argmax_abs(d, valid, index):
 
 @triton.jit
 def _step_factors(schedule, COMPUTE_DTYPE: tl.constexpr):
-    """reference.step_factors: (keep, alpha_vertex) = ((1 - alpha) kappa, alpha kappa) in the compute dtype,
-    kappa = 1 - 4u, so that the rounded iterate stays in its ball (reference.feasibility_shrink)."""
-    alpha = tl.load(schedule + 1).to(COMPUTE_DTYPE)
-    # tl.full: the constant is made in the compute dtype itself (1 - 2^-51 would round to 1 in float32)
-    if COMPUTE_DTYPE == tl.float64:
-        kappa = tl.full([], _KAPPA_F64, tl.float64)
-    else:
-        kappa = tl.full([], _KAPPA_F32, tl.float32)
-    return (1.0 - alpha) * kappa, alpha * kappa
+    """reference.step_factors: (keep, alpha) = (RN(1 - alpha), RN(alpha)) in the compute dtype, from alpha in
+    float64."""
+    alpha = tl.load(schedule + 1)
+    return (1.0 - alpha).to(COMPUTE_DTYPE), alpha.to(COMPUTE_DTYPE)
 
 
 @triton.jit
@@ -152,6 +147,14 @@ def _argmax_abs_rows(d, valid, col):
     hit = tl.where(any_nan[:, None], is_nan, key == top[:, None])
     best = tl.min(tl.where(hit, col, _NO_INDEX), axis=1)
     return best, tl.sum(tl.where(col == best[:, None], d, 0.0), axis=1)
+
+
+@triton.jit
+def _pick_rows(x, hit, COMPUTE_DTYPE: tl.constexpr):
+    """x at the one hit of each row of a [BALLS, SEG] tile, bit for bit (a sum of floats would turn -0 into +0)."""
+    if COMPUTE_DTYPE == tl.float64:
+        return tl.sum(tl.where(hit, x.to(tl.int64, bitcast=True), 0), axis=1).to(tl.float64, bitcast=True)
+    return tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -204,11 +207,12 @@ def _forward_gradient_rows(calls, schedule, tangent_coeffs, key_lo, key_hi, n_ta
 
 
 @triton.jit
-def _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
-              PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+def _fw_block(tensor, first_element, slot, start, numel, g, schedule, factor, partial_d, partial_index, partial_dot,
+              partial_units, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
               HAS_MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr):
     """The step on elements start + [0, 4 ROWS) of a segment whose first element is element
-    first_element of the tensor with address row ``tensor``; g is None for the gradient path."""
+    first_element of the tensor with address row ``tensor``; g is None for the gradient path. ``factor``: the
+    ball's units factor (feasibility._norm_units); partial_units holds two sums per slot (old, new)."""
     # Element start + i for i in [0, 4 ROWS): int32 positions on int64 base pointers.
     i = 4 * tl.arange(0, ROWS)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
@@ -229,19 +233,27 @@ def _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d,
     else:
         d = g
     keep, _ = _step_factors(schedule, COMPUTE_DTYPE)
-    tl.store(theta_ptr, to_storage(keep * theta, PARAM_DTYPE), mask=valid)
+    scaled = to_storage(keep * theta, PARAM_DTYPE)
+    tl.store(theta_ptr, scaled, mask=valid)
     dot = d.to(tl.float64) * theta.to(tl.float64)
+    old_units = _norm_units(theta, factor)
+    new_units = _norm_units(scaled, factor)
     if MASKED:
         dot = tl.where(valid, dot, 0.0)
+        old_units = tl.where(valid, old_units, 0)
+        new_units = tl.where(valid, new_units, 0)
     best, d_best = _argmax_abs(d, valid, i)
     tl.store(partial_d + slot, d_best.to(tl.float64))
     tl.store(partial_index + slot, offset + best)  # the element's index in its tensor
     tl.store(partial_dot + slot, tl.sum(dot))
+    tl.store(partial_units + 2 * slot, _capped_sum(old_units, None))
+    tl.store(partial_units + 2 * slot + 1, _capped_sum(new_units, None))
 
 
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_tangents"])
-def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, partial_d, partial_index, partial_dot,
-                      key_lo, key_hi, n_tangents, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, block_factor, partial_d, partial_index,
+                      partial_dot, partial_units, key_lo, key_hi, n_tangents, PARAM_DTYPE: tl.constexpr,
+                      GRAD_DTYPE: tl.constexpr,
                       COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                       GAUSSIAN: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
     # ``block_tensor`` maps a slot to its segment's row of ``meta``. Block b of a segment covers stream
@@ -268,20 +280,23 @@ def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, partial_d, p
         g = _forward_gradient(tl.load(segment + _STREAM_BASE) + first, schedule, tangent_coeffs,
                               key_lo.to(tl.uint32, bitcast=True), key_hi.to(tl.uint32, bitcast=True), n_tangents,
                               COMPUTE_DTYPE, GAUSSIAN, ROWS)
+    factor = tl.load(block_factor + slot)
     # Full blocks run unmasked: with ALIGNED, their loads and stores vectorise.
     if (start >= 0) & (start + 4 * ROWS <= numel):
-        _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
-                  PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, ROWS)
+        _fw_block(tensor, first_element, slot, start, numel, g, schedule, factor, partial_d, partial_index,
+                  partial_dot, partial_units, PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False,
+                  ROWS)
     else:
-        _fw_block(tensor, first_element, slot, start, numel, g, schedule, partial_d, partial_index, partial_dot,
-                  PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, ROWS)
+        _fw_block(tensor, first_element, slot, start, numel, g, schedule, factor, partial_d, partial_index,
+                  partial_dot, partial_units, PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True,
+                  ROWS)
 
 
 @triton.jit
-def _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap,
+def _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, factors, ball_gap,
                  PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                  HAS_MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, SEG: tl.constexpr):
-    """The whole step on BALLS short balls, tile row b holding ball ball[b] (index into radii and
+    """The whole step on BALLS short balls, tile row b holding ball ball[b] (index into radii, factors and
     ball_gap): its n elements at tensor positions first + ball_start[b] + [0, n), at columns
     lead[b] + [0, n) (lead is None when ALIGNED: 0); g is None for the gradient path."""
     col = tl.arange(0, SEG)[None, :]
@@ -313,20 +328,28 @@ def _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, ra
     if MASKED:
         dot = tl.where(valid, dot, 0.0)
     best, d_best = _argmax_abs_rows(d, valid, col)
-    # The reference's two roundings: theta scaled and rounded to its dtype, then the winner's rounded value
-    # moved to the vertex and rounded again; held in registers, so theta is stored once.
-    keep, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
+    # theta scaled and rounded to its dtype, then the winner set from that value and the ball's norm sums
+    # (reference.l1_vertex_value); held in registers, so theta is stored once.
+    keep, _ = _step_factors(schedule, COMPUTE_DTYPE)
     scaled = to_storage(keep * theta, PARAM_DTYPE)
     radius = tl.load(radii + ball, mask=live, other=1.0)
-    sign = tl.where(d_best > 0, 1.0, tl.where(d_best < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
-    vertex = -radius.to(COMPUTE_DTYPE) * sign
-    moved = to_storage(scaled.to(COMPUTE_DTYPE) + alpha_vertex * vertex[:, None], PARAM_DTYPE)
-    tl.store(theta_ptr, tl.where(col == best[:, None], moved, scaled), mask=valid)
+    factor = tl.load(factors + ball, mask=live, other=1.0)
+    old_units = _norm_units(theta, factor[:, None])
+    new_units = _norm_units(scaled, factor[:, None])
+    if MASKED:
+        old_units = tl.where(valid, old_units, 0)
+        new_units = tl.where(valid, new_units, 0)
+    winner = col == best[:, None]
+    x = _pick_rows(scaled.to(COMPUTE_DTYPE), winner, COMPUTE_DTYPE)
+    moved = _l1_vertex_value(x, d_best, tl.load(schedule + 1), radius, 1.0 / factor, n.to(tl.int64),
+                             _capped_sum(old_units, 1), _capped_sum(new_units, 1), COMPUTE_DTYPE)
+    tl.store(theta_ptr, tl.where(winner, to_storage(moved, PARAM_DTYPE)[:, None], scaled), mask=valid)
     tl.store(ball_gap + ball, tl.sum(dot, axis=1) + tl.abs(d_best.to(tl.float64)) * radius, mask=live)
 
 
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_tangents"])
-def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, ball_gap, key_lo, key_hi, n_tangents,
+def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, factors, ball_gap, key_lo, key_hi,
+                    n_tangents,
                     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                     HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr,
                     ALIGNED: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr):
@@ -374,25 +397,29 @@ def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, ball_g
     if ALIGNED:
         # Every ball filling its tile row: unmasked, vectorised loads and stores.
         if (n == SEG) & (first_row + BALLS <= n_balls):
-            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
-                         GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, SEG)
+            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, factors, ball_gap,
+                         PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, False, SEG)
         else:
-            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
-                         GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
+            _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, factors, ball_gap,
+                         PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
     else:
-        _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, ball_gap, PARAM_DTYPE,
-                     GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
+        _fw_row_tile(tensor, first, ball_start, lead, n, live, ball, g, schedule, radii, factors, ball_gap,
+                     PARAM_DTYPE, GRAD_DTYPE, COMPUTE_DTYPE, HAS_MOMENTUM, ALIGNED, True, SEG)
 
 
 @triton.jit
-def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial_d, partial_index, partial_dot,
-                        ball_gap, PARAM_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RBLOCK: tl.constexpr):
-    # balls: per long ball (first slot, number of slots, ball index in ball_radii and ball_gap).
+def _fw_finalize_kernel(balls, ball_radii, factors, block_tensor, meta, schedule, partial_d, partial_index,
+                        partial_dot, partial_units, ball_gap, PARAM_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                        RBLOCK: tl.constexpr):
+    # balls: per long ball (first slot, number of slots, ball index in ball_radii and ball_gap, elements).
     program = tl.program_id(0)
-    first = tl.load(balls + 3 * program)
-    end = first + tl.load(balls + 3 * program + 1)
-    ball = tl.load(balls + 3 * program + 2)
+    first = tl.load(balls + 4 * program)
+    end = first + tl.load(balls + 4 * program + 1)
+    ball = tl.load(balls + 4 * program + 2)
+    numel = tl.load(balls + 4 * program + 3)
     dot = tl.zeros([RBLOCK], dtype=tl.float64)
+    old_units = tl.zeros([], dtype=tl.int64)
+    new_units = tl.zeros([], dtype=tl.int64)
     # If every |d| is 0 the first slot wins, which is also what the first chunk's argmax returns.
     best = first
     best_d = tl.zeros([], dtype=tl.float64)
@@ -400,6 +427,11 @@ def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial
         i = tl.arange(0, RBLOCK)
         valid = i < end - chunk
         dot += tl.load(partial_dot + chunk + i, mask=valid, other=0.0)
+        # the slots' norm sums, each at most the cap: added stopping at the cap (order-free)
+        old_units = _saturating_add(old_units, tl.reduce(
+            tl.load(partial_units + 2 * (chunk + i), mask=valid, other=0), 0, _saturating_add))
+        new_units = _saturating_add(new_units, tl.reduce(
+            tl.load(partial_units + 2 * (chunk + i) + 1, mask=valid, other=0), 0, _saturating_add))
         slot, d = _argmax_abs(tl.load(partial_d + chunk + i, mask=valid, other=0.0), valid, i)
         # Chunks come in slot order, so a later one wins only by being strictly larger (NaN largest).
         best_is_nan = best_d != best_d
@@ -411,11 +443,9 @@ def _fw_finalize_kernel(balls, ball_radii, block_tensor, meta, schedule, partial
     theta_ptr = tl.load(meta + tl.load(segment + _TENSOR) * _META_STRIDE + _PARAM).to(
         tl.pointer_type(PARAM_DTYPE), bitcast=True) + index
     radius = tl.load(ball_radii + ball)
-    d = best_d.to(COMPUTE_DTYPE)
-    sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for NaN
-    vertex = -radius.to(COMPUTE_DTYPE) * sign
-    _, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
-    tl.store(theta_ptr, to_storage(tl.load(theta_ptr).to(COMPUTE_DTYPE) + alpha_vertex * vertex, PARAM_DTYPE))
+    moved = _l1_vertex_value(tl.load(theta_ptr).to(COMPUTE_DTYPE), best_d.to(COMPUTE_DTYPE), tl.load(schedule + 1),
+                             radius, 1.0 / tl.load(factors + ball), numel, old_units, new_units, COMPUTE_DTYPE)
+    tl.store(theta_ptr, to_storage(moved, PARAM_DTYPE))
     tl.store(ball_gap + ball, tl.sum(dot) + tl.abs(best_d) * radius)
 
 
@@ -445,10 +475,12 @@ class _Layout:
     n_balls: int  # balls with elements: one share of the gap each
     rows: torch.Tensor  # int64, the segment and group rows of the table (they follow the address rows)
     radii: torch.Tensor  # float64, one per ball with elements, in ball order
+    factors: torch.Tensor  # float64, each such ball's units factor 2^(51 - E) (feasibility._norm_units)
     slots: int  # blocks of the blocks path
     block_tensor: torch.Tensor  # int32, slot -> segment row of the table
+    block_factor: torch.Tensor  # float64, slot -> its ball's units factor
     blocks_aligned: bool  # every segment starts on a Philox call boundary at a multiple of 4 elements
-    long_balls: torch.Tensor  # int64, per long ball (first slot, slots, ball index)
+    long_balls: torch.Tensor  # int64, per long ball (first slot, slots, ball index, elements)
     n_long_balls: int
     row_launches: tuple
 
@@ -519,8 +551,11 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
     slots = 0
     class_programs = {}  # seg -> programs so far
 
-    def add_segment(t: int, start: int, numel: int) -> tuple[int, int]:
-        """A run of blocks over elements [start, start + numel) of tensor t; returns (first slot, blocks)."""
+    block_factors = []  # (units factor, blocks)
+
+    def add_segment(t: int, start: int, numel: int, radius: float) -> tuple[int, int]:
+        """A run of blocks over elements [start, start + numel) of tensor t, in a ball of that radius; returns
+        (first slot, blocks)."""
         nonlocal blocks_aligned, slots
         stream = 0 if has_grad else streams[t] + start
         lead = stream % 4
@@ -529,6 +564,7 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
         slots += blocks
         blocks_aligned = blocks_aligned and lead == 0 and start % 4 == 0
         block_runs.append((n_tensors + len(rows), blocks))
+        block_factors.append((units_factor(radius), blocks))
         rows.append((t, start, numel, stream - lead, lead, first_slot, 0, 0))
         return first_slot, blocks
 
@@ -540,7 +576,7 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
         radius_at += n_balls
         if global_ball:
             if numel:
-                add_segment(t, 0, numel)
+                add_segment(t, 0, numel, radii[0])
             continue
         if numel == 0:
             continue  # an empty ball: no element, nothing moves, no share of the gap
@@ -549,8 +585,8 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
         seg = _row_seg(n + lead)
         if seg > _MAX_ROW_SEG:
             for b in range(n_balls):
-                first_slot, blocks = add_segment(t, b * n, n)
-                long_balls.append((first_slot, blocks, len(live_radii)))
+                first_slot, blocks = add_segment(t, b * n, n, tensor_radii[b])
+                long_balls.append((first_slot, blocks, len(live_radii), n))
                 live_radii.append(tensor_radii[b])
             continue
         programs = triton.cdiv(n_balls, BLOCK // seg)
@@ -561,7 +597,7 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
         live_radii.extend(tensor_radii)
         aligned_classes[seg] = aligned_classes.get(seg, True) and n % 4 == 0 and (has_grad or streams[t] % 4 == 0)
     if global_ball and block_runs:
-        long_balls.append((0, slots, 0))
+        long_balls.append((0, slots, 0, sum(numels)))
         live_radii.append(radii[0])
 
     def upload(values, dtype):
@@ -581,9 +617,12 @@ def _layout(device: torch.device, numels: tuple, row_numel: tuple, streams: tupl
         program_group = runs(groups[seg])
         row_launches.append(_RowLaunch(seg=seg, balls=BLOCK // seg, programs=program_group.numel(),
                                        program_group=program_group, aligned=aligned_classes[seg]))
+    block_factor = [factor for factor, blocks in block_factors for _ in range(blocks)]
     return _Layout(n_tensors=n_tensors, n_balls=len(live_radii), rows=upload(rows, torch.int64).view(-1),
-                   radii=upload(live_radii, torch.float64), slots=slots,
-                   block_tensor=runs(block_runs), blocks_aligned=blocks_aligned,
+                   radii=upload(live_radii, torch.float64), factors=upload([units_factor(r) for r in live_radii],
+                                                                            torch.float64),
+                   slots=slots, block_tensor=runs(block_runs), block_factor=upload(block_factor, torch.float64),
+                   blocks_aligned=blocks_aligned,
                    long_balls=upload(long_balls, torch.int64).view(-1), n_long_balls=len(long_balls),
                    row_launches=tuple(row_launches))
 
@@ -731,20 +770,22 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         for launch in layout.row_launches:
             rows_aligned = aligned and launch.aligned
             _fw_rows_kernel[(launch.programs,)](
-                launch.program_group, meta, schedule, coeffs, layout.radii, ball_gap, key_lo, key_hi, n_tangents,
+                launch.program_group, meta, schedule, coeffs, layout.radii, layout.factors, ball_gap, key_lo, key_hi,
+                n_tangents,
                 ALIGNED=rows_aligned, BALLS=launch.balls, SEG=launch.seg,
                 num_warps=_BLOCK_WARPS if rows_aligned else 2 * _BLOCK_WARPS, **kernel_args)
         if layout.slots:
             partial_d = torch.empty(layout.slots, dtype=torch.float64, device=device)
             partial_index = torch.empty(layout.slots, dtype=torch.int64, device=device)
             partial_dot = torch.empty(layout.slots, dtype=torch.float64, device=device)
+            partial_units = torch.empty(2 * layout.slots, dtype=torch.int64, device=device)
             _fw_blocks_kernel[(layout.slots,)](
-                layout.block_tensor, meta, schedule, coeffs, partial_d, partial_index, partial_dot, key_lo, key_hi,
-                n_tangents, ALIGNED=aligned and layout.blocks_aligned, ROWS=ROWS, num_warps=_BLOCK_WARPS,
-                **kernel_args)
+                layout.block_tensor, meta, schedule, coeffs, layout.block_factor, partial_d, partial_index,
+                partial_dot, partial_units, key_lo, key_hi, n_tangents, ALIGNED=aligned and layout.blocks_aligned,
+                ROWS=ROWS, num_warps=_BLOCK_WARPS, **kernel_args)
             _fw_finalize_kernel[(layout.n_long_balls,)](
-                layout.long_balls, layout.radii, layout.block_tensor, meta, schedule, partial_d, partial_index,
-                partial_dot, ball_gap, PARAM_DTYPE=param_dtype, COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK,
-                num_warps=4, enable_fp_fusion=False)
+                layout.long_balls, layout.radii, layout.factors, layout.block_tensor, meta, schedule, partial_d,
+                partial_index, partial_dot, partial_units, ball_gap, PARAM_DTYPE=param_dtype,
+                COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=4, enable_fp_fusion=False)
         if layout.n_balls > 1:
             _gap_sum_kernel[(1,)](ball_gap, gap, layout.n_balls, RBLOCK=_RBLOCK, num_warps=4)

@@ -72,33 +72,35 @@ def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, off
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::lp_fw_step_", mutates_args=("params", "momentum", "gap"))
+# The Lp and k-sparse steps take their set's parameter and the norm feedback's scales, every argument required as
+# in the C++ schemas (a tensor list cannot have a default, nor follow arguments that have one).
+@torch.library.custom_op(f"{NAMESPACE}::lp_fw_step_", mutates_args=("params", "momentum", "gap", "scales"))
 def lp_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                 offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
-                p: float = 2.0) -> None:
+                p: float, scales: list[torch.Tensor]) -> None:
     """``fgfw.triton.set_steps.lp_fw_step_`` (the fused Lp-ball Frank-Wolfe step, 1 < p < inf) as a custom op."""
     set_steps.lp_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                          distribution, gap, row_numel, p)
+                          distribution, gap, row_numel, p, scales)
 
 
 @lp_fw_step_.register_fake
 def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-      gap, row_numel, p=2.0) -> None:
+      gap, row_numel, p, scales) -> None:
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::ksparse_fw_step_", mutates_args=("params", "momentum", "gap"))
+@torch.library.custom_op(f"{NAMESPACE}::ksparse_fw_step_", mutates_args=("params", "momentum", "gap", "scales"))
 def ksparse_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
                      schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                      offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
-                     k: int = 1) -> None:
+                     k: int, scales: list[torch.Tensor]) -> None:
     """``fgfw.triton.set_steps.ksparse_fw_step_`` (the fused k-sparse-polytope Frank-Wolfe step) as a custom op."""
     set_steps.ksparse_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
-                               seed, distribution, gap, row_numel, k)
+                               seed, distribution, gap, row_numel, k, scales)
 
 
 @ksparse_fw_step_.register_fake
 def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
-      gap, row_numel, k=1) -> None:
+      gap, row_numel, k, scales) -> None:
     return None

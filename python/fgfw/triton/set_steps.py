@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .feasibility import (_INF, _SUM_CAP, _capped_sum, _dense_update, _next_norm_scale, _norm_units, _saturating_add,
+                          _toward_zero, units_factor)
 from .fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _Radii, _radii_token, _step_factors,
                       hold_while_capturing)
 from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
@@ -205,15 +207,19 @@ def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks
 
 
 @triton.jit(do_not_specialize=["slot_base", "ball_base", "stat_base", "pos_base", "key_lo", "key_hi", "n_tangents"])
-def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, gap_part, stat_a, stat_b, n_balls, n,
-                       stream_base, chunks, slot_base, ball_base, stat_base, pos_base, key_lo, key_hi, n_tangents,
-                       KIND: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr,
-                       HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr, NO_LEAD: tl.constexpr,
-                       BALLS: tl.constexpr, SEG: tl.constexpr, Q_MINUS_1: tl.constexpr):
-    """The update pass: theta <- keep theta + alpha_vertex s (s rounded to the compute dtype), and each tile
-    row's share of the gap <d, theta_old - s> (s in float64, as the reference). The L-infinity step updates
-    the momentum here (its only pass). stat_a, stat_b: (max|d|, ||x||_q) per Lp ball, (threshold key, last
-    position taken at the threshold) per k-sparse ball, both at stat_base + ball."""
+def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, factors, scales, gap_part, fb_stored,
+                       fb_exact, stat_a, stat_b, n_balls, n, stream_base, chunks, slot_base, ball_base, stat_base,
+                       pos_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                       HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr,
+                       NO_LEAD: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr, Q_MINUS_1: tl.constexpr,
+                       P: tl.constexpr, FEEDBACK: tl.constexpr):
+    """The update pass: theta <- scale theta + alpha (s - scale theta) (reference.dense_update: s in float64,
+    rounded; held within +-R for the L-infinity and k-sparse sets; scale the ball's norm feedback, 1 without),
+    and each tile row's share of the gap <d, theta_old - s> (s in float64, as the reference) and, with FEEDBACK,
+    its norm sums of the values stored and of the exact step (k-sparse: units of the grid of k r, whose factor
+    is ``factors``; Lp: (|x| / r)^p). The L-infinity step updates the momentum here (its only pass). stat_a,
+    stat_b: (max|d|, ||x||_q) per Lp ball, (threshold key, last position taken at the threshold) per k-sparse
+    ball, both at stat_base + ball."""
     ball, live, chunk, e, valid, position, calls = _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD, BALLS, SEG)
     d = _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
                    COMPUTE_DTYPE, HAS_GRAD, HAS_MOMENTUM, KIND == _LINF, GAUSSIAN, BALLS, SEG)
@@ -235,11 +241,73 @@ def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, g
         key = _magnitude_key(d, COMPUTE_DTYPE)
         chosen = (key > threshold[:, None]) | ((key == threshold[:, None]) & (pos_base + e <= last_tie[:, None]))
         vertex = tl.where(chosen, vertex, 0.0)
-    keep, alpha_vertex = _step_factors(schedule, COMPUTE_DTYPE)
-    new = keep * theta + alpha_vertex * vertex.to(COMPUTE_DTYPE)
-    tl.store(param + position, to_storage(new, param.dtype.element_ty), mask=valid)
+    _, alpha_c = _step_factors(schedule, COMPUTE_DTYPE)
+    if FEEDBACK:
+        scale = tl.load(scales + ball, mask=live, other=1.0)
+    else:
+        scale = tl.full([BALLS], 1.0, tl.float64)
+    # R: the radius rounded down to the compute dtype (reference.radius_down)
+    bound = radius.to(COMPUTE_DTYPE)
+    bound = tl.where(bound.to(tl.float64) > radius, _toward_zero(bound, COMPUTE_DTYPE), bound)
+    new, exact = _dense_update(theta, vertex, tl.load(schedule + 1), alpha_c, scale[:, None], bound[:, None],
+                               radius[:, None], KIND != _LP, COMPUTE_DTYPE)
+    stored = to_storage(new, param.dtype.element_ty)
+    tl.store(param + position, stored, mask=valid)
+    slot = slot_base + ball * chunks + chunk
     share = tl.sum(tl.where(valid, d64 * (theta.to(tl.float64) - vertex), 0.0), axis=1)
-    tl.store(gap_part + slot_base + ball * chunks + chunk, share, mask=live)
+    tl.store(gap_part + slot, share, mask=live)
+    if FEEDBACK:
+        if KIND == _LP:
+            stored_terms = _pow(tl.abs(stored.to(tl.float64)) / radius[:, None], P)
+            exact_terms = _pow(tl.abs(exact) / radius[:, None], P)
+            tl.store(fb_stored + slot, tl.sum(tl.where(valid, stored_terms, 0.0), axis=1), mask=live)
+            tl.store(fb_exact + slot, tl.sum(tl.where(valid, exact_terms, 0.0), axis=1), mask=live)
+        else:
+            factor = tl.load(factors + ball_base + ball, mask=live, other=1.0)[:, None]
+            tl.store(fb_stored + slot, _capped_sum(tl.where(valid, _norm_units(stored, factor), 0), 1), mask=live)
+            tl.store(fb_exact + slot, _capped_sum(tl.where(valid, _norm_units(exact, factor), 0), 1), mask=live)
+
+
+@triton.jit(do_not_specialize=["slot_base", "ball_base"])
+def _feedback_kernel(fb_stored, fb_exact, radii, factors, scales, bound_times, n_balls, chunks, slot_base, ball_base,
+                     P: tl.constexpr, INTEGER: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RB: tl.constexpr,
+                     CB: tl.constexpr):
+    """Per ball (chunks slots from slot_base + ball chunks): its norm sums, and the next step's scale
+    (reference.next_norm_scale) into scales[ball]. INTEGER: the k-sparse units sums, added stopping at their cap
+    (order-free), a capped one counting as infinite, and the bound bound_times r in units; else the Lp sums of
+    (|x| / r)^p, bound 1."""
+    ball = tl.program_id(0) * RB + tl.arange(0, RB)
+    live = ball < n_balls
+    first = slot_base + ball.to(tl.int64) * chunks
+    if INTEGER:
+        stored_units = tl.zeros([RB], dtype=tl.int64)
+        exact_units = tl.zeros([RB], dtype=tl.int64)
+    else:
+        # summed across the chunks' tiles after the loop (a reduction inside it, whose result has two uses,
+        # failed Triton 3.8's thread-locality pass for sm_90)
+        stored_tile = tl.zeros([RB, CB], dtype=tl.float64)
+        exact_tile = tl.zeros([RB, CB], dtype=tl.float64)
+    for c in range(0, chunks, CB):
+        j = c + tl.arange(0, CB)
+        mask = live[:, None] & (j < chunks)[None, :]
+        if INTEGER:
+            stored_units = _saturating_add(stored_units, tl.reduce(
+                tl.load(fb_stored + first[:, None] + j[None, :], mask=mask, other=0), 1, _saturating_add))
+            exact_units = _saturating_add(exact_units, tl.reduce(
+                tl.load(fb_exact + first[:, None] + j[None, :], mask=mask, other=0), 1, _saturating_add))
+        else:
+            stored_tile += tl.load(fb_stored + first[:, None] + j[None, :], mask=mask, other=0.0)
+            exact_tile += tl.load(fb_exact + first[:, None] + j[None, :], mask=mask, other=0.0)
+    if INTEGER:
+        stored = tl.where(stored_units < _SUM_CAP, stored_units.to(tl.float64), _INF)
+        exact = tl.where(exact_units < _SUM_CAP, exact_units.to(tl.float64), _INF)
+        radius = tl.load(radii + ball_base + ball, mask=live, other=1.0)
+        bound = bound_times * radius * tl.load(factors + ball_base + ball, mask=live, other=1.0)
+    else:
+        stored = tl.sum(stored_tile, axis=1)
+        exact = tl.sum(exact_tile, axis=1)
+        bound = tl.full([RB], 1.0, tl.float64)
+    tl.store(scales + ball, _next_norm_scale(stored, exact, bound, P, COMPUTE_DTYPE), mask=live)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,10 +429,37 @@ def _select(keys: torch.Tensor, classes: tuple, k: int, n_stats: int) -> tuple[t
     return thresholds, last_ties
 
 
+@functools.lru_cache(maxsize=64)
+def _units_factors(device: torch.device, radii_token: _Radii, bound_times: float) -> torch.Tensor:
+    """Each ball's units factor of the grid of bound_times r (the k-sparse step's L1 bound k r), on the device."""
+    return torch.tensor([units_factor(bound_times * r) for r in radii_token.values], dtype=torch.float64).to(
+        device, non_blocking=True)
+
+
+def _check_scales(params, scales, global_ball: bool, row_numel: tuple) -> None:
+    """As the C++ check_scales (csrc/op_args.cpp): empty, or float64 tensors on the params' device, contiguous, one
+    per parameter with one element per ball of it (one tensor of one element for the global ball)."""
+    if not scales:
+        return
+    want = 1 if global_ball else len(params)
+    if len(scales) != want:
+        raise ValueError(f"scales must be empty (no norm feedback) or hold "
+                         f"{'one tensor for the global ball' if global_ball else 'one tensor per parameter'} ({want}), "
+                         f"got {len(scales)}")
+    for t, x in enumerate(scales):
+        balls = 1 if global_ball else (params[t].numel() // row_numel[t] if row_numel[t] else 1)
+        if x.dtype != torch.float64 or x.numel() != balls or not x.is_contiguous():
+            raise ValueError(f"scales[{t}] must be a contiguous float64 tensor of {balls} element(s) (one per ball), "
+                             f"got {x.dtype} of shape {tuple(x.shape)}")
+        if params and x.device != params[0].device:
+            raise ValueError(f"scales[{t}] must be on {params[0].device} like the params, got {x.device}")
+
+
 def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, p: float = 2.0, k: int = 1) -> None:
+              distribution, gap, row_numel, p: float = 2.0, k: int = 1, scales=()) -> None:
     row_numel = _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
                                    distribution, gap, row_numel)
+    _check_scales(params, scales, bool(global_ball), row_numel)
     if not params:
         gap.zero_()
         return
@@ -420,12 +515,35 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                         RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
             else:
                 stat_a, stat_b = _select(keys, plan.classes, k, plan.n_stats)
+        feedback = kind != LINF and bool(scales)
+        integer = kind == KSPARSE
+        factors = _units_factors(device, _radii_token(radii), float(k)) if feedback and integer else plan.radii
+        fb_stored = torch.empty(plan.slots if feedback else 0, dtype=torch.int64 if integer else torch.float64,
+                                device=device)
+        fb_exact = torch.empty_like(fb_stored)
+
+        def scales_of(tp: _TensorPlan) -> torch.Tensor:
+            """The scales of a tensor's balls (the global ball's one scale for every tensor); gap_part unused."""
+            return (scales[0] if global_ball else scales[tp.t]) if feedback else gap_part
+
         for tp in plan.tensors:
             _set_update_kernel[(tp.programs,)](
-                params[tp.t], *tensors_of(tp), schedule, coeffs, plan.radii, gap_part, stat_a, stat_b, tp.n_balls,
-                tp.n, tp.stream_base, tp.chunks, tp.slot_base, tp.ball_base, tp.stat_base, tp.pos_base, key_lo, key_hi,
-                n_tangents, KIND=kind, NO_LEAD=tp.no_lead, BALLS=tp.balls, SEG=tp.seg, Q_MINUS_1=q - 1,
+                params[tp.t], *tensors_of(tp), schedule, coeffs, plan.radii, factors, scales_of(tp), gap_part,
+                fb_stored, fb_exact, stat_a, stat_b, tp.n_balls, tp.n, tp.stream_base, tp.chunks, tp.slot_base,
+                tp.ball_base, tp.stat_base, tp.pos_base, key_lo, key_hi, n_tangents, KIND=kind, NO_LEAD=tp.no_lead,
+                BALLS=tp.balls, SEG=tp.seg, Q_MINUS_1=q - 1, P=float(p) if kind == LP else 1.0, FEEDBACK=feedback,
                 num_warps=warps(tp), **flags)
+        if feedback:
+            # each ball's next scale, from its slots; the global ball's from every slot
+            launches = ((0, 1, plan.slots, 0, scales[0]),) if global_ball else tuple(
+                (tp.slot_base, tp.n_balls, tp.chunks, tp.ball_base, scales[tp.t]) for tp in plan.tensors)
+            for slot_base, balls, chunks, ball_base, out in launches:
+                cb = min(_RBLOCK, triton.next_power_of_2(chunks))
+                rb = max(1, min(_RBLOCK // cb, triton.next_power_of_2(balls)))
+                _feedback_kernel[(triton.cdiv(balls, rb),)](
+                    fb_stored, fb_exact, plan.radii, factors, out, float(k), balls, chunks, slot_base, ball_base,
+                    P=float(p) if kind == LP else 1.0, INTEGER=integer, COMPUTE_DTYPE=TL_DTYPES[compute_dtype],
+                    RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
         _gap_sum_kernel[(1,)](gap_part, gap, plan.slots, RBLOCK=_RBLOCK, num_warps=4)
 
 
@@ -442,22 +560,24 @@ def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tenso
 def lp_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
                 offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (),
-                p: float = 2.0) -> None:
+                p: float = 2.0, scales: Sequence[torch.Tensor] = ()) -> None:
     """One Frank-Wolfe step over Lp ball(s), 1 < p < inf, in place; same contract as reference.lp_fw_step_.
-    A reduction pass, a per-ball finalize, then the update pass."""
+    A reduction pass, a per-ball finalize, the update pass, then (with scales) the norm feedback's per ball."""
     if not 1 < p < float("inf"):
         raise ValueError(f"p must satisfy 1 < p < inf, got {p}")
     _set_step(LP, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, p=float(p))
+              distribution, gap, row_numel, p=float(p), scales=scales)
 
 
 def ksparse_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                      grads: Sequence[torch.Tensor], schedule: torch.Tensor, tangent_coeffs: torch.Tensor,
                      radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
-                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1) -> None:
+                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1,
+                     scales: Sequence[torch.Tensor] = ()) -> None:
     """One Frank-Wolfe step over k-sparse polytope(s), in place; same contract as reference.ksparse_fw_step_.
-    A pass writing the keys, the selection in torch ops on the device, then the update pass."""
+    A pass writing the keys, the selection in torch ops on the device, the update pass, then (with scales) the
+    norm feedback's per ball."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     _set_step(KSPARSE, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, k=int(k))
+              distribution, gap, row_numel, k=int(k), scales=scales)
