@@ -203,10 +203,9 @@ def _vector_run(constraint, steps=3, step_size=0.5):
 
 def _expected_step(theta_old, radius_old_gauge, radius, vertex, alpha):
     """The step after a change, written out: theta rescaled into the new ball (by r / gauge when outside), then
-    theta <- (1 - alpha) kappa theta + alpha kappa s (reference.feasibility_shrink)."""
-    kappa = 1.0 - 4.0 * torch.finfo(F64).eps / 2
+    theta <- theta + alpha (s - theta) (the L-infinity ball's exact combination, reference.dense_update)."""
     start = theta_old * min(1.0, radius / radius_old_gauge)
-    return (1 - alpha) * kappa * start + alpha * kappa * vertex
+    return start + alpha * (vertex - start)
 
 
 def _step_after(theta, opt):

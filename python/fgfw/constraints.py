@@ -157,11 +157,22 @@ class Constraint:
     ALLOWED_SCOPES = SCOPES
     PARAMS: tuple[str, ...] = ()  # the set's own constructor keywords (saved by to_dict)
     # How reference.fw_step_ steps a set that has no reference.Feasibility (the L1, L-infinity, Lp and k-sparse
-    # sets have one: docs/feasibility.md): True, keep theta + alpha_vertex s with the feasibility shrink
-    # kappa = 1 - 4u (reference.feasibility_shrink), which keeps rounded iterates inside a set that holds 0;
+    # sets have one: docs/feasibility.md): True, keep it inside a set that holds 0, by CORRECTS_BY_GAUGE below or
+    # else with the feasibility shrink kappa = 1 - 4u (reference.feasibility_shrink);
     # False, theta + alpha (s - theta) without kappa, for a set on the hyperplane sum theta = r (the simplex),
     # where kappa pulled the sum below r by (1 - kappa) / alpha relative
     SHRINK_STEP = True
+    # True for a set without a Feasibility whose gauge is cheap, positively homogeneous and non-decreasing in every
+    # |theta_i|: its torch-op step is the exact combination, scaled back only where rounding left the set
+    # (reference.correct_by_gauge_, with gauge_parts and row_gauges), instead of the shrink by kappa
+    CORRECTS_BY_GAUGE = False
+    row_gauges = None  # optional: (rows, n) float64 -> (rows,) gauges, for the row scope's balls at once
+
+    def gauge_parts(self, x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gauges of one ball's values x (flat, float64; ``shape`` the ball's shape) as (gauges, index): one
+        gauge and index None for a set that is one ball; for a product of balls (the column-norm ball's columns)
+        one gauge per factor and the factor of each element, so that each is scaled back on its own."""
+        return torch.tensor([self.gauge(x)], dtype=torch.float64), None
 
     def __init__(self, radius: float | None = None, *, scope: str = "tensor", _relative_scale: float | None = None,
                  _rule: str = "relative_to_init"):
@@ -646,7 +657,13 @@ class NonnegativeL1Ball(Simplex):
     i = argmin d_i when d_i < 0, else 0 (the origin). An infeasible start is clamped at 0, then rescaled."""
 
     KIND, NAME, GAUGE = "nonnegative_l1_ball", "non-negative L1 ball", "sum"
-    SHRINK_STEP = True  # holds 0: kappa keeps sum theta <= r
+    SHRINK_STEP = True  # not the simplex's equality: the exact combination, corrected by the gauge
+    CORRECTS_BY_GAUGE = True
+
+    @staticmethod
+    def row_gauges(rows: torch.Tensor) -> torch.Tensor:
+        return torch.where(rows.amin(dim=1) >= 0, rows.sum(dim=1), math.inf) if rows.shape[1] else \
+            torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
 
     def contains(self, x: torch.Tensor, radius: float, rtol: float = 1e-6) -> bool:
         x = x.detach().reshape(-1).double()
@@ -709,6 +726,9 @@ class _MatrixSet(Constraint):
 
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         raise NotImplementedError
+
+    def gauge_parts(self, x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.tensor([self.gauge(x, shape)], dtype=torch.float64), None
 
     def norm(self, tensors: Sequence[torch.Tensor]) -> float:
         (t,) = tensors  # scope "tensor": one matrix per ball
@@ -865,6 +885,7 @@ class GroupL1Ball(_MatrixSet):
     """
 
     KIND, NAME, GAUGE = "group_l1_ball", "group-L1 ball", "group-L1 norm (sum of row L2 norms)"
+    CORRECTS_BY_GAUGE = True
 
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         if not x.numel():
@@ -1008,6 +1029,12 @@ class ColumnNormBall(_MatrixSet):
     """
 
     KIND, NAME, GAUGE = "column_norm_ball", "column-norm ball", "largest column L2 norm"
+    CORRECTS_BY_GAUGE = True
+
+    def gauge_parts(self, x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m = self._matrix(x.double(), shape)  # each column is a ball of its own: scaled back alone
+        index = torch.arange(m.numel(), device=x.device) % max(m.shape[1], 1)
+        return torch.linalg.vector_norm(m, dim=0).cpu(), index.cpu()
 
     def gauge(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> float:
         if not x.numel():

@@ -844,7 +844,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                    gap, call.row_numel, shrink=call.constraint.SHRINK_STEP,
                                    rescale=call.group["rescale"], l2_diameter=call.constraint.l2_diameter,
                                    row_vertices=call.constraint.row_vertices, feasibility=call.feasibility,
-                                   scales=call.scales)
+                                   scales=call.scales, gauge_parts=call.constraint.gauge_parts
+                                   if call.constraint.CORRECTS_BY_GAUGE else None,
+                                   row_gauges=call.constraint.row_gauges)
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,

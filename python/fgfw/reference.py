@@ -123,8 +123,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def feasibility_shrink(cdt: torch.dtype) -> float:
     """kappa = 1 - 4u (u the unit roundoff of the compute dtype cdt, float32 or float64): the factor with which
-    :func:`fw_step_` steps a set that has no fused step and no :class:`Feasibility` of its own (``shrink=True``:
-    the group-L1 and nuclear-norm balls, the non-negative L1 ball).
+    :func:`fw_step_` steps a set that has no fused step, no :class:`Feasibility` and no cheap gauge
+    (``shrink=True`` without ``gauge_parts``: the nuclear- and spectral-norm balls).
 
     Such a step scales theta by RN(RN(1 - alpha) kappa) and moves it by RN(RN(alpha kappa) s_i): with at most four
     roundings of (1 + u) on any element, (1 + u)^4 (1 - 4u) < 1, so the rounded iterate stays in the set. The price
@@ -430,7 +430,9 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
              rescale: str | None = None,
              l2_diameter: Callable[[tuple[int, ...], float], float] | None = None,
              row_vertices: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             feasibility: Feasibility | None = None, scales: Sequence[torch.Tensor] = ()) -> None:
+             feasibility: Feasibility | None = None, scales: Sequence[torch.Tensor] = (),
+             gauge_parts: Callable | None = None,
+             row_gauges: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
@@ -444,8 +446,13 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
       with ``scales`` the norm feedback's state when ``feasibility.p`` is set: empty (no feedback: each step
       scales by 1), or one float64 tensor per parameter holding one scale per ball of it (one tensor of one
       element for the global ball), read before the update and written after it (next_norm_scale).
+    * else ``gauge_parts`` given (``shrink=True``; the non-negative L1, group-L1 and column-norm balls, whose gauges
+      are cheap, positively homogeneous and non-decreasing in every |theta_i|): theta + alpha (s - theta), then
+      every ball whose stored gauge (``gauge_parts(x, shape)``, Constraint.gauge_parts; ``row_gauges(rows)`` for
+      all rows of a tensor at once) exceeds r is scaled back inside (correct_by_gauge_): a correction of a few ulps where rounding
+      crossed the boundary, not a shrink at every step, so no error floor.
     * else ``shrink=True``: keep theta + alpha_vertex s with both factors carrying kappa (feasibility_shrink), for
-      the sets without a Feasibility (group L1, nuclear norm, non-negative L1).
+      the sets without a cheap gauge (nuclear- and spectral-norm balls).
     * ``shrink=False`` (the simplex, ``Constraint.SHRINK_STEP``: its sum theta = r is an equality that kappa
       would pull the iterate off): theta + alpha (s - theta), without kappa: it keeps sum theta = r up to
       rounding for any alpha.
@@ -528,12 +535,19 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
             continue
         s_t = s64.to(cdt)
         a = torch.tensor(alpha, dtype=cdt) if steps is None else steps[t].to(cdt)  # a step per element
-        if shrink:
+        if shrink and gauge_parts is None:
             kappa = torch.tensor(feasibility_shrink(cdt), dtype=cdt)
             new = (1 - a) * kappa * theta + a * kappa * s_t  # per element where rescaled
+        elif shrink:
+            # (1 - a) theta + a s, not theta + a (s - theta): near the optimum s_i - theta_i is small, and a move
+            # a (s_i - theta_i) below half an ulp of theta_i is lost every step (a stall that grows with 1 / a:
+            # float32 FW on a column-norm ball stalled 1.6e-5 relative above float64 after 2,000 steps)
+            new = (1 - a) * theta + a * s_t
         else:
             new = theta + a * (s_t - theta)
         p.copy_(new.reshape(p.shape).to(p.dtype))
+    if feasibility is None and shrink and gauge_parts is not None:
+        correct_by_gauge_(params, balls, radii, global_ball, row_numel, gauge_parts, row_gauges)
     if feedback:
         cdt = compute_dtype(params[0].dtype)
         integer = feasibility.p == 1.0
@@ -549,6 +563,77 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
             ball_scale[b] = next_norm_scale(stored, exact, bound, feasibility.p, cdt)
         _write_scales(scales, ball_scale, params, balls, global_ball)
     gap.fill_(total_gap)
+
+
+# correct_by_gauge_ scales a ball at most this many times (each pass brings the gauge within ~2u of r from below;
+# a second pass is needed only when the float64 evaluation of the gauge itself was off by more than that)
+GAUGE_CORRECTION_PASSES = 4
+
+
+def correct_by_gauge_(params: Sequence[torch.Tensor], balls, radii: Sequence[float], global_ball: bool,
+                      row_numel: Sequence[int], gauge_parts: Callable,
+                      row_gauges: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Scale every ball whose stored gauge g exceeds its radius r by c = (r / g)(1 - 3u), rounded toward 0 to the
+    compute dtype (u its unit roundoff), in place, until the gauge as evaluated in float64 is <= r. A product of
+    balls (``gauge_parts`` gives one gauge per factor: the column-norm ball's columns) scales each factor alone.
+
+    For a gauge that is positively homogeneous and non-decreasing in every |x_i| (the sets that use this), each
+    stored RN(c x_i) is at most (1 + u) c |x_i|, so the new gauge is at most (1 + u)(1 - 3u) r < r: one pass
+    suffices up to the float64 evaluation of g, which further passes (at most GAUGE_CORRECTION_PASSES) absorb.
+    A ball inside its set is left alone, so an iterate on the boundary moves by ~3u where rounding pushes it out
+    and by nothing otherwise: the deficit is reset, not accumulated, and there is no error floor growing with the
+    step count, unlike the shrink by kappa (scaling a whole product of balls by its largest factor would bring
+    that floor back: every other factor would lose 3u at every correction)."""
+    def factor(g: torch.Tensor, r: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+        u = torch.finfo(cdt).eps / 2
+        return radius_down(torch.where(g > r, r / g * (1 - 3 * u), torch.ones_like(g)), cdt)
+
+    if global_ball:
+        groups = [[(t, 0, p.numel()) for t, p in enumerate(params) if p.numel()]]
+        group_radii = [radii[0]]
+    else:
+        groups, group_radii = [], []
+        for (t, start, length), r in zip(balls, radii):
+            if length and not (row_gauges is not None and row_numel and row_numel[t]):
+                groups.append([(t, start, length)])
+                group_radii.append(r)
+    for group, r in zip(groups, group_radii):  # one ball (tensor scope or the global ball)
+        r64 = torch.tensor(float(r), dtype=torch.float64)
+        for _ in range(GAUGE_CORRECTION_PASSES):
+            if len(group) == 1:
+                t, start, length = group[0]
+                whole = length == params[t].numel() and not (row_numel and row_numel[t])
+                shape = tuple(params[t].shape) if whole else (length,)
+                x = params[t].reshape(-1)[start:start + length].double()
+            else:
+                x = torch.cat([params[t].reshape(-1).double() for t, _, _ in group])
+                shape = (x.numel(),)
+            g, index = gauge_parts(x, shape)
+            if not bool((g > r64).any()):  # inside (NaN compares False: nothing to scale back)
+                break
+            at = 0
+            for t, start, length in group:
+                cdt = compute_dtype(params[t].dtype)
+                c = factor(g, r64, cdt)
+                c = c if index is None else c[index[at:at + length]]
+                view = params[t].reshape(-1)[start:start + length]
+                view.copy_((view.to(cdt) * c.to(view.device)).to(params[t].dtype))
+                at += length
+    if row_gauges is None or global_ball or not row_numel:
+        return
+    at = 0  # the row balls of each tensor at once
+    for t, p in enumerate(params):
+        count = sum(1 for ball in balls if ball[0] == t)
+        if row_numel[t] and p.numel():
+            cdt = compute_dtype(p.dtype)
+            r_rows = torch.tensor([float(r) for r in radii[at:at + count]], dtype=torch.float64, device=p.device)
+            rows = p.reshape(-1, row_numel[t])
+            for _ in range(GAUGE_CORRECTION_PASSES):
+                g = row_gauges(rows.double())
+                if not bool((g > r_rows).any()):
+                    break
+                rows.copy_((rows.to(cdt) * factor(g, r_rows, cdt).unsqueeze(1)).to(p.dtype))
+        at += count
 
 
 def _ball_sums(terms: list[torch.Tensor], balls, global_ball: bool, integer: bool) -> list:
