@@ -163,3 +163,51 @@ def test_the_spectral_gauge_is_the_largest_singular_value(scale):
         x = scale * torch.randn(shape, generator=g, dtype=torch.float64)
         expected = np.linalg.norm(x.reshape(shape[0], -1).numpy(), ord=2)
         assert fgfw.SpectralNormBall(radius=1.0).gauge(x) == pytest.approx(expected, rel=1e-12)
+
+
+def test_batched_vertices_match_one_vertex_per_matrix_with_one_newton_schulz_per_shape(monkeypatch):
+    """batch_vertices stacks the matrices of one shape into one Newton-Schulz (one polar_factor call per shape,
+    counted) and gives each matrix the vertex vertex() gives it alone, to float32 rounding; an empty matrix gets 0."""
+    g = torch.Generator().manual_seed(4)
+    shapes = [(16, 8), (8, 16), (16, 8), (16, 8), (8, 16), (4, 2, 3), (0, 5)]
+    directions = [torch.randn(shape, generator=g, dtype=torch.float64).reshape(-1) * 10.0 ** (i - 3)
+                  for i, shape in enumerate(shapes)]
+    radii = [0.5 + i for i in range(len(shapes))]
+    c = fgfw.SpectralNormBall(radius=1.0)
+    calls = []
+    real = constraints.polar_factor
+    monkeypatch.setattr(constraints, "polar_factor", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    batched = c.batch_vertices(directions, radii, shapes)
+    assert sorted(calls) == sorted([(3, 16, 8), (2, 8, 16), (1, 4, 6)])
+    for d, r, shape, s in zip(directions, radii, shapes, batched):
+        alone = c.vertex(d, r, shape)
+        assert s.shape == d.shape and s.dtype == d.dtype
+        torch.testing.assert_close(s, alone, rtol=0, atol=2e-6 * r)
+
+
+def test_frank_wolfe_on_a_transformer_block_batches_the_spectral_vertices(monkeypatch):
+    """Through the optimizer: FrankWolfe on matrices of two shapes calls Newton-Schulz once per shape per step and
+    steps as the per-matrix vertices would (the same parameters, to float32 rounding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(12, 12, bias=False) for _ in range(4)], nn.Linear(12, 6, bias=False))
+    twin = nn.Sequential(*[nn.Linear(12, 12, bias=False) for _ in range(4)], nn.Linear(12, 6, bias=False))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(32, 12)
+    make = lambda m: fgfw.FrankWolfe(m.parameters(), constraint=fgfw.SpectralNormBall.operator_norm(1.0),  # noqa: E731
+                                     step_size=0.1, momentum=0.9)
+    opt, opt_twin = make(model), make(twin)
+    calls = []
+    real = constraints.polar_factor
+    monkeypatch.setattr(constraints, "polar_factor", lambda m, *a: calls.append(tuple(m.shape)) or real(m, *a))
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, opt_twin)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        opt.step()
+        with monkeypatch.context() as patch:  # the twin: one vertex per matrix
+            patch.setattr(fgfw.SpectralNormBall, "batch_vertices", None)
+            opt_twin.step()
+    batched = [shape for shape in calls if len(shape) == 3 and shape[0] > 1]
+    assert batched == [(4, 12, 12)] * 3, calls
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)

@@ -846,7 +846,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                    row_vertices=call.constraint.row_vertices, feasibility=call.feasibility,
                                    scales=call.scales, gauge_parts=call.constraint.gauge_parts
                                    if call.constraint.CORRECTS_BY_GAUGE else None,
-                                   row_gauges=call.constraint.row_gauges)
+                                   row_gauges=call.constraint.row_gauges,
+                                   batch_vertices=getattr(call.constraint, "batch_vertices", None))
             else:
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,

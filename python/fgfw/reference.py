@@ -432,7 +432,8 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
              row_vertices: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              feasibility: Feasibility | None = None, scales: Sequence[torch.Tensor] = (),
              gauge_parts: Callable | None = None,
-             row_gauges: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+             row_gauges: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             batch_vertices: Callable | None = None) -> None:
     """One Frank-Wolfe step over the balls of any set, in place: :func:`l1_fw_step_` with the L1 LMO replaced
     by ``vertex(d_ball, r, shape)``, which returns the dense vertex ``argmin_{s in C_r} <d_ball, s>`` of one
     ball (``d_ball`` flat in the compute dtype, ``shape`` the ball's shape: the tensor's for scope
@@ -459,6 +460,10 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
 
     ``row_vertices(d_rows, radii)`` (optional, a set's batched vertex): the row balls of each tensor are
     computed at once, (rows, n) in one call, instead of one ``vertex`` call per row.
+
+    ``batch_vertices(directions, radii, shapes)`` (optional, tensor and row scopes without ``row_vertices``): the
+    vertices of all balls in one call, a list in ball order, each what ``vertex`` would give to the stated accuracy
+    (SpectralNormBall: one batched Newton-Schulz per matrix shape instead of one per matrix).
 
     ``rescale`` gives each ball its own step, computed in float64 from alpha = alpha_k (RESCALES):
     ``"diameter"``: ``min(alpha / D, 1)`` with D = ``l2_diameter(shape, r)`` the ball's L2 diameter (a
@@ -496,10 +501,20 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
                 vertices[t] = vertex(directions[t].double(), radii[at], tuple(p.shape))
             at += count
     else:
+        todo = []  # (t, start, length, r, shape) of every non-empty ball
         for (t, start, length), r in zip(balls, radii):
             if length:
                 shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) \
                     else tuple(params[t].shape)
+                todo.append((t, start, length, r, shape))
+        if batch_vertices is not None and todo:
+            # every ball in one call: the set batches what it can (the spectral ball: one Newton-Schulz per shape)
+            found = batch_vertices([directions[t][start:start + length].double() for t, start, length, _, _ in todo],
+                                   [r for *_, r, _ in todo], [shape for *_, shape in todo])
+            for (t, start, length, _, _), s_ball in zip(todo, found):
+                vertices[t][start:start + length] = s_ball
+        else:
+            for t, start, length, r, shape in todo:
                 vertices[t][start:start + length] = vertex(directions[t][start:start + length].double(), r, shape)
     steps = None if rescale is None else _rescaled_steps(rescale, alpha, params, directions, vertices, balls, radii,
                                                          global_ball, row_numel, l2_diameter)
