@@ -46,7 +46,7 @@ PRESETS = {  # model width, layers, heads, context, batch, steps, characters of 
 }
 # Each method's grid, fixed before the run: (name, settings)
 GRIDS = {
-    "adamw": [{"lr": lr} for lr in (1e-3, 3e-3, 1e-2)],
+    "adamw": [{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)],
     "muon": [{"lr": lr} for lr in (3e-3, 1e-2, 3e-2)],
     "fw_scion": [{"step_size": g, "scale": s} for g in (0.01, 0.03) for s in (2.0, 8.0)],
     "fw_l1": [{"step_size": g, "scale": s} for g in (0.01, 0.03) for s in (1.0, 4.0)],
@@ -75,7 +75,8 @@ def make_optimizer(method: str, model: CharGPT, setting: dict):
     outer = [model.embed.weight, model.position.weight, model.head.weight]
     norms = _others(model, hidden + outer)
     if method == "fw_scion":
-        groups = [{"params": hidden, "constraint": fgfw.SpectralNormBall.operator_norm(scale)},
+        spectral = {k: setting[k] for k in ("quintic_dtype", "quintic_steps") if k in setting}
+        groups = [{"params": hidden, "constraint": fgfw.SpectralNormBall.operator_norm(scale, **spectral)},
                   {"params": outer, "constraint": fgfw.LInfBall.relative_to_init(scale)}]
     elif method == "fw_l1":
         groups = [{"params": hidden + outer, "constraint": fgfw.L1Ball.relative_to_init(scale, scope="row")}]

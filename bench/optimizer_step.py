@@ -6,9 +6,13 @@ the step alone is timed (no forward or backward): the median of --repeats timed 
 ones, all methods interleaved in one process so that the ratios share the machine's state. Rows:
 
 * ``adamw``, ``muon`` (Muon on the hidden matrices + AdamW on the rest), ``fw_l1`` (row L1 balls, fused op);
-* ``fw_scion``: spectral-norm balls on the hidden matrices (one batched Newton-Schulz per matrix shape), sign
+* ``fw_scion``: spectral-norm balls on the hidden matrices (one batched Newton-Schulz per matrix shape on a GPU,
+  one per matrix on the CPU, where that is faster: ``SpectralNormBall.BATCH_ON_CPU``), sign
   (L-infinity) balls on the embeddings and the output layer, norms unconstrained;
-* ``fw_scion_unbatched``: the same with one Newton-Schulz per matrix (SpectralNormBall.batch_vertices off).
+* ``fw_scion_unbatched``: the same with one Newton-Schulz per matrix (SpectralNormBall.batch_vertices off);
+  ``fw_scion_batched``: batched by shape on the CPU too (``BATCH_ON_CPU``);
+* ``fw_scion_bf16``: the quintic steps' products in bfloat16 (``quintic_dtype``, as Muon's), the cubic ones in
+  float32; ``fw_scion_bf16_5``: the same with Muon's 5 quintic steps instead of 7.
 
     python bench/optimizer_step.py --threads 2                       # CPU, a 6 x 256 model
     python bench/optimizer_step.py --device cuda --preset gpt2       # a GPT-2 124M-like model (12 x 768)
@@ -35,13 +39,16 @@ PRESETS = {"cpu": dict(vocab=101, width=256, layers=6, heads=4, context=256),
            "gpt2": dict(vocab=50257, width=768, layers=12, heads=12, context=1024),
            "quick": dict(vocab=31, width=32, layers=2, heads=2, context=16)}
 SETTINGS = {"adamw": {"lr": 1e-3}, "muon": {"lr": 1e-2}, "fw_l1": {"step_size": 0.01, "scale": 1.0},
-            "fw_scion": {"step_size": 0.01, "scale": 2.0}, "fw_scion_unbatched": {"step_size": 0.01, "scale": 2.0}}
+            "fw_scion": {"step_size": 0.01, "scale": 2.0}, "fw_scion_unbatched": {"step_size": 0.01, "scale": 2.0},
+            "fw_scion_batched": {"step_size": 0.01, "scale": 2.0},
+            "fw_scion_bf16": {"step_size": 0.01, "scale": 2.0, "quintic_dtype": "bfloat16"},
+            "fw_scion_bf16_5": {"step_size": 0.01, "scale": 2.0, "quintic_dtype": "bfloat16", "quintic_steps": 5}}
 
 
 def build(method: str, size: dict, device: torch.device):
     torch.manual_seed(0)
     model = CharGPT(size["vocab"], size["width"], size["layers"], size["heads"], size["context"]).to(device)
-    opts = make_optimizer("fw_scion" if method == "fw_scion_unbatched" else method, model, SETTINGS[method])
+    opts = make_optimizer("fw_scion" if method.startswith("fw_scion") else method, model, SETTINGS[method])
     gen = torch.Generator(device=device).manual_seed(1)
     for p in model.parameters():
         p.grad = 1e-3 * torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype)
@@ -49,9 +56,11 @@ def build(method: str, size: dict, device: torch.device):
 
 
 def timed_step(method: str, opts, device: torch.device) -> float:
-    saved = fgfw.SpectralNormBall.batch_vertices
+    saved = fgfw.SpectralNormBall.batch_vertices, fgfw.SpectralNormBall.BATCH_ON_CPU
     if method == "fw_scion_unbatched":
         fgfw.SpectralNormBall.batch_vertices = None  # the optimizer then calls vertex() once per matrix
+    if method == "fw_scion_batched":
+        fgfw.SpectralNormBall.BATCH_ON_CPU = True
     try:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -62,7 +71,7 @@ def timed_step(method: str, opts, device: torch.device) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - begin
     finally:
-        fgfw.SpectralNormBall.batch_vertices = saved
+        fgfw.SpectralNormBall.batch_vertices, fgfw.SpectralNormBall.BATCH_ON_CPU = saved
 
 
 def main(argv=None):

@@ -98,3 +98,27 @@ def test_finetune_mnist_quick(tmp_path):
             assert e.get("test_loss", "") == ""
     assert "validation loss of the pre-trained start" in out
     assert (tmp_path / "finetune_mnist.png").stat().st_size > 0
+
+
+def test_optimizer_step_quick(tmp_path):
+    """bench/optimizer_step.py at its smallest: every method's row is written, AdamW's ratio is 1 and every step
+    took time (the numbers themselves belong to bench/RESULTS.md, not to a test)."""
+    out_csv = tmp_path / "optimizer_step.csv"
+    run("bench/optimizer_step.py", "--preset", "quick", "--repeats", "2", "--warmup", "1", "--out", str(out_csv))
+    with open(out_csv, newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"adamw", "muon", "fw_l1", "fw_scion", "fw_scion_unbatched", "fw_scion_batched",
+                         "fw_scion_bf16", "fw_scion_bf16_5"}
+    assert float(rows["adamw"]["x_adamw"]) == 1.0
+    assert all(float(r["ms_per_step"]) > 0 for r in rows.values())
+
+
+def test_lm_quick(tmp_path):
+    """bench/lm.py --quick: every method trains through its grid and writes a finite validation loss per run."""
+    out_csv = tmp_path / "lm.csv"
+    run("bench/lm.py", "--quick", "--out", str(out_csv), "--figure", str(tmp_path / "lm.png"))
+    with open(out_csv.with_name("lm_summary.csv"), newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"adamw", "muon", "fw_scion", "fw_l1"}
+    assert all(0 < float(r["val_mean"]) < 10 for r in rows.values())
+    assert (tmp_path / "lm.png").exists()

@@ -174,6 +174,7 @@ def test_batched_vertices_match_one_vertex_per_matrix_with_one_newton_schulz_per
                   for i, shape in enumerate(shapes)]
     radii = [0.5 + i for i in range(len(shapes))]
     c = fgfw.SpectralNormBall(radius=1.0)
+    monkeypatch.setattr(fgfw.SpectralNormBall, "BATCH_ON_CPU", True)  # the GPU's way, here on the CPU
     calls = []
     real = constraints.polar_factor
     monkeypatch.setattr(constraints, "polar_factor", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
@@ -196,6 +197,7 @@ def test_frank_wolfe_on_a_transformer_block_batches_the_spectral_vertices(monkey
     make = lambda m: fgfw.FrankWolfe(m.parameters(), constraint=fgfw.SpectralNormBall.operator_norm(1.0),  # noqa: E731
                                      step_size=0.1, momentum=0.9)
     opt, opt_twin = make(model), make(twin)
+    monkeypatch.setattr(fgfw.SpectralNormBall, "BATCH_ON_CPU", True)  # the GPU's way, here on the CPU
     calls = []
     real = constraints.polar_factor
     monkeypatch.setattr(constraints, "polar_factor", lambda m, *a: calls.append(tuple(m.shape)) or real(m, *a))
@@ -211,3 +213,34 @@ def test_frank_wolfe_on_a_transformer_block_batches_the_spectral_vertices(monkey
     assert batched == [(4, 12, 12)] * 3, calls
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    # on the CPU by default: one matrix at a time (faster there)
+    monkeypatch.setattr(fgfw.SpectralNormBall, "BATCH_ON_CPU", False)
+    calls.clear()
+    opt.step()
+    assert calls == [(12, 12)] * 4 + [(6, 12)], calls
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_bfloat16_quintic_steps_keep_the_vertex_in_the_ball(case):
+    """quintic_dtype="bfloat16" (Muon's product dtype for the quintic steps; the cubic steps stay float32): the
+    vertex's singular values stay at most r (the cubic map is at most 1), and <d, s> within 3 % of the exact
+    vertex's -r ||d||_nuclear. Unlike float32, bfloat16's noise in a low-rank direction's null space is lifted
+    to singular values near 1 (measured: 1.0 for the rank-3 case): such a vertex is feasible and as good for
+    <d, s>, but not U V^T there."""
+    d = list(_directions())[case]
+    r = 1.3
+    c = fgfw.SpectralNormBall(radius=r, quintic_dtype="bfloat16")
+    s = c.vertex(d.reshape(-1), r, tuple(d.shape)).reshape(d.shape)
+    s_sigma = torch.linalg.svdvals(s / r)
+    nuclear = float(torch.linalg.svdvals(d).sum())
+    assert float(s_sigma.max()) <= 1 + 1e-5
+    assert -float((d * s).sum()) >= 0.97 * r * nuclear
+    assert -float((d * s).sum()) <= r * nuclear * (1 + 1e-9)
+
+
+def test_quintic_dtype_is_checked_and_saved():
+    with pytest.raises(ValueError, match="quintic_dtype"):
+        fgfw.SpectralNormBall(1.0, quintic_dtype="float16")
+    c = fgfw.SpectralNormBall.operator_norm(2.0, quintic_dtype="bfloat16")
+    again = constraints.from_dict(c.to_dict())
+    assert again.quintic_dtype == "bfloat16" and again.to_dict() == c.to_dict()

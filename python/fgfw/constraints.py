@@ -915,7 +915,8 @@ NEWTON_SCHULZ_QUINTIC = (3.4445, -4.7750, 2.0315)
 NEWTON_SCHULZ_CUBIC = (1.5, -0.5)
 
 
-def polar_factor(d: torch.Tensor, quintic_steps: int = 7, cubic_steps: int = 2) -> torch.Tensor:
+def polar_factor(d: torch.Tensor, quintic_steps: int = 7, cubic_steps: int = 2,
+                 quintic_dtype: torch.dtype | None = None) -> torch.Tensor:
     """An approximation of ``U V^T`` from the reduced SVD ``d = U S V^T`` of each matrix of the batch ``d``
     (``(..., m, n)``), by Newton-Schulz iterations in ``d``'s dtype (matrix products only).
 
@@ -924,7 +925,12 @@ def polar_factor(d: torch.Tensor, quintic_steps: int = 7, cubic_steps: int = 2) 
     Frobenius scaling Muon uses. Each singular value then follows the scalar map of the steps: with 7
     quintic and 2 cubic steps, every sigma >= 1e-4 (sum sigma^4)^(1/4) ends in [0.9, 1] (>= 3e-4 of it in
     [0.97, 1]), smaller ones end between 0 and 0.9, none above 1 but for rounding; a zero singular value
-    picks up at most ~1e-3 of float32 rounding noise. A zero matrix gives zeros (tests/test_spectral.py)."""
+    picks up at most ~1e-3 of float32 rounding noise. A zero matrix gives zeros (tests/test_spectral.py).
+
+    ``quintic_dtype`` (e.g. torch.bfloat16: the matrix units' fast products, as Muon runs all its steps): the
+    quintic steps in that dtype, the cubic steps still in ``d``'s. The cubic map 1.5 x - 0.5 x^3 is at most 1 on
+    (0, sqrt 3), so the result stays at most 1 but for ``d``'s rounding; the band below 1 is wider (bfloat16's
+    noise, ~4e-3 of the largest singular value, is lifted with the small ones: tests/test_spectral.py)."""
     x = d
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:  # the Gram matrix of the short side
@@ -935,10 +941,14 @@ def polar_factor(d: torch.Tensor, quintic_steps: int = 7, cubic_steps: int = 2) 
     scale = torch.where(norm > 0, norm.sqrt(), 1.0)[..., None, None]  # a zero matrix stays zero
     x = x / scale
     gram = gram / (scale * scale)
+    work = d.dtype
+    if quintic_dtype is not None and quintic_steps:
+        x, gram = x.to(quintic_dtype), gram.to(quintic_dtype)
     for step in range(quintic_steps):
         if step:
             gram = x @ x.mT
         x = a * x + (b * gram + c * (gram @ gram)) @ x
+    x = x.to(work)
     p, q = NEWTON_SCHULZ_CUBIC
     for _ in range(cubic_steps):
         x = p * x + q * ((x @ x.mT) @ x)
@@ -965,17 +975,22 @@ class SpectralNormBall(_MatrixSet):
     """
 
     KIND, NAME, GAUGE = "spectral_norm_ball", "spectral-norm ball", "spectral norm"
-    PARAMS = ("quintic_steps", "cubic_steps")
+    PARAMS = ("quintic_steps", "cubic_steps", "quintic_dtype")
+    QUINTIC_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+    BATCH_ON_CPU = False  # see batch_vertices
 
     def __init__(self, radius: float | None = None, *, scope: str = "tensor", quintic_steps: int = 7,
-                 cubic_steps: int = 2, **kw):
+                 cubic_steps: int = 2, quintic_dtype: str = "float32", **kw):
         for name, value in (("quintic_steps", quintic_steps), ("cubic_steps", cubic_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if cubic_steps < 1:
             raise ValueError(f"cubic_steps must be >= 1 (the cubic steps keep the vertex in the ball), got "
                              f"{cubic_steps!r}")
-        self.quintic_steps, self.cubic_steps = quintic_steps, cubic_steps
+        if quintic_dtype not in self.QUINTIC_DTYPES:
+            raise ValueError(f"quintic_dtype must be one of {sorted(self.QUINTIC_DTYPES)} (the dtype of the quintic "
+                             f"Newton-Schulz products; the cubic steps stay float32), got {quintic_dtype!r}")
+        self.quintic_steps, self.cubic_steps, self.quintic_dtype = quintic_steps, cubic_steps, quintic_dtype
         super().__init__(radius, scope=scope, **kw)
 
     @classmethod
@@ -1012,7 +1027,7 @@ class SpectralNormBall(_MatrixSet):
         m = self._matrix(_unit_max(d), shape).float()  # scaled first: no overflow in the products
         if not m.numel():
             return torch.zeros_like(d)
-        s = polar_factor(m, self.quintic_steps, self.cubic_steps)
+        s = polar_factor(m, self.quintic_steps, self.cubic_steps, self.QUINTIC_DTYPES[self.quintic_dtype])
         return (-radius * s.double()).reshape(-1).to(d.dtype)
 
     def batch_vertices(self, directions: Sequence[torch.Tensor], radii: Sequence[float],
@@ -1020,18 +1035,23 @@ class SpectralNormBall(_MatrixSet):
         """The vertices of many matrices: those of one matrix shape (and device) stacked into one batched
         Newton-Schulz (polar_factor works per matrix of the batch, so each vertex is what vertex() gives, up to
         the rounding of batched matrix products): a transformer's dozens of equal-shape matrices in a few
-        launches instead of one chain of products each."""
+        launches instead of one chain of products each. On the CPU one matrix at a time is faster (a 6 x 256
+        GPT's step, one thread: 656 ms against 757 ms batched; bench/optimizer_step.py), so matrices there are
+        batched only with ``BATCH_ON_CPU``."""
         out: list[torch.Tensor | None] = [None] * len(directions)
         by_shape: dict = {}
         for i, (d, shape) in enumerate(zip(directions, shapes)):
-            if d.numel():
+            if d.device.type == "cpu" and not self.BATCH_ON_CPU:
+                out[i] = self.vertex(d, radii[i], shape)
+            elif d.numel():
                 m_shape = tuple(self._matrix(torch.empty(shape, device="meta"), shape).shape)
                 by_shape.setdefault((m_shape, d.device, d.dtype), []).append(i)
             else:
                 out[i] = torch.zeros_like(d)
         for (m_shape, _, dtype), members in by_shape.items():
             batch = torch.stack([_unit_max(directions[i]).reshape(m_shape) for i in members]).float()
-            s = polar_factor(batch, self.quintic_steps, self.cubic_steps).double()
+            s = polar_factor(batch, self.quintic_steps, self.cubic_steps,
+                             self.QUINTIC_DTYPES[self.quintic_dtype]).double()
             for j, i in enumerate(members):
                 out[i] = (-radii[i] * s[j]).reshape(-1).to(dtype)
         return out
