@@ -14,7 +14,9 @@ Methods: ``adam`` and ``frankwolfe`` (backprop; FrankWolfe with momentum 0.9), `
 weight estimator, lean engine, one tangent), ``afgfw_activity`` (tangents on the layers' outputs, one
 tangent), ``fgfw`` (Algorithm 1, weight estimator, one tangent) and ``mezo`` (bench/mezo.py, eps 1e-3).
 The Frank-Wolfe methods take one L1 ball per row of 2x its pre-trained L1 norm (``relative_to_init(2)``,
-not tuned); every step size is constant.
+not tuned); every step size is constant. The ``*_centred`` methods take the same method with the balls centred
+at the pre-trained weights (param group ``center="init"``): each row may move by CENTRED_SCALE = 0.5 x its
+pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step.
 
 Budgets. Forward passes: a backprop step counts 1 (its backward is not counted), a forward-gradient step
 with one tangent 1, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
@@ -51,7 +53,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from mezo import MeZO  # noqa: E402
 
-METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo")
+METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
+           "afgfw_activity_centred")
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -59,7 +62,13 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     "afgfw_activity": (3e-3, 1e-2, 3e-2),
     "fgfw": (1e-4, 3e-4, 1e-3),
     "mezo": (1e-5, 1e-4, 1e-3),
+    # balls around the pre-trained weights (center="init"): the grids of the same methods around 0
+    "frankwolfe_centred": (3e-3, 1e-2, 3e-2),
+    "afgfw_centred": (3e-4, 1e-3, 3e-3),
+    "afgfw_activity_centred": (3e-3, 1e-2, 3e-2),
 }
+# the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
+CENTRED_SCALE = 0.5
 PASSES_PER_STEP = {"mezo": 2}  # every other method: 1
 SEEDS = (0, 1, 2)
 
@@ -165,10 +174,15 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     if method == "mezo":
         opt = MeZO(model.parameters(), lr=step_size, eps=1e-3, seed=seed)
         return lambda batch: opt.step(lambda: task.loss(model, batch))
+    centred = method.endswith("_centred")
+    method = method.removesuffix("_centred")
+    # around 0: 2x the pre-trained row norm; centred: the pre-trained row plus CENTRED_SCALE x its norm
+    ball = fgfw.L1Ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "constraint": ball,
+               "center": "init" if centred else None}]
     if method in ("adam", "frankwolfe"):
         opt = (torch.optim.Adam(model.parameters(), lr=step_size) if method == "adam" else
-               fgfw.FrankWolfe(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=step_size,
-                               momentum=0.9))
+               fgfw.FrankWolfe(groups, constraint=ball, step_size=step_size, momentum=0.9))
 
         def step(batch):
             loss = task.loss(model, batch)
@@ -181,8 +195,7 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     options = dict(estimator="activity") if method == "afgfw_activity" else {}
     if kind is fgfw.AFGFW:
         options["averaging_weight"] = 0.1
-    opt = kind(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=step_size, seed=seed,
-               **options)
+    opt = kind(model, groups, constraint=ball, step_size=step_size, seed=seed, **options)
     per_example = method == "afgfw_activity"
     return lambda batch: opt.step(lambda: task.loss(model, batch, per_example))
 
@@ -250,6 +263,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, one seed, one step size")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--figures", default=os.path.join(HERE, "figures"))
+    parser.add_argument("--suffix", default="", help="appended to the output files' names (finetune_<task><suffix>)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     task = TextTask(args.quick) if args.task == "text" else MnistTask(args.data, args.quick)
@@ -290,9 +304,10 @@ def main() -> None:
                                                         if end.get("test_accuracy") is not None else ""), flush=True)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.figures, exist_ok=True)
-    write_csv(os.path.join(args.out, f"finetune_{task.name}.csv"), ends)
-    write_csv(os.path.join(args.out, f"finetune_{task.name}_curves.csv"), curves)
-    plot(os.path.join(args.figures, f"finetune_{task.name}.png"), curves, start_val, task.name)
+    name = f"finetune_{task.name}{args.suffix}"
+    write_csv(os.path.join(args.out, f"{name}.csv"), ends)
+    write_csv(os.path.join(args.out, f"{name}_curves.csv"), curves)
+    plot(os.path.join(args.figures, f"{name}.png"), curves, start_val, task.name)
     print_summary(ends, chosen, start_val, time.perf_counter() - began)
 
 

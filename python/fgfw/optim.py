@@ -108,6 +108,7 @@ def _gradient_step(call: "_Call", grads: list[torch.Tensor], schedule: torch.Ten
 
 # Parameter dtypes stepped through a float32 master copy (see _FrankWolfeBase._master).
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+CENTERS = (None, "init")  # where a group's balls are centred: 0, or the parameters' values when it is added
 
 
 def _device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -148,7 +149,7 @@ class _Call:
 
     __slots__ = ("device", "dtype", "backend", "momentum", "global_ball", "group", "params", "targets", "moms",
                  "radii", "starts", "row_numel", "halves", "zero_grads", "constraint", "fused_set", "feasibility",
-                 "scales")
+                 "scales", "centers")
 
     def __init__(self, device, dtype, backend, momentum, global_ball, group):
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -169,6 +170,8 @@ class _Call:
         self.feasibility: reference.Feasibility | None = None
         # the norm feedback's scale of every ball (state "norm_scale", _make_state) where the set has one
         self.scales: list[torch.Tensor] = []
+        # a group with center="init": its balls are centred at the start (state "center"), the op steps theta - c
+        self.centers: list[torch.Tensor] = []
 
 
 class _Plan:
@@ -216,7 +219,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         # per param group, what its radii were resolved from: (constraint, its _constraint_spec, radii); see
         # _apply_setting_changes
         self._radii_source: list[tuple] = []
-        defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale)
+        defaults = dict(defaults, constraint=constraint, backend=backend, rescale=rescale, center=None)
         params, _ = _param_tensors(params)
         # every group's start is checked before any group's is rescaled into its ball
         groups = [item["params"] for item in params] if params and all(isinstance(i, dict) for i in params) \
@@ -335,10 +338,35 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         group.setdefault("radii", constraint.resolve_radii(params))
         if constraint.scope == "row":
             group["radii"] = _row_radii(group["radii"])
-        constraint.make_feasible_(params, group["radii"])
+        if group["center"] not in CENTERS:
+            raise ValueError(f"center must be one of {CENTERS} (None: the set's balls are centred at 0; 'init': at "
+                             f"the parameters' values when the group is added, for fine-tuning), got "
+                             f"{group['center']!r}")
+        centred = group["center"] == "init" and not isinstance(constraint, constraints.Unconstrained)
+        if not centred:  # a centred group starts at its centre: theta - c = 0 is in every ball
+            constraint.make_feasible_(params, group["radii"])
         super().add_param_group(group)
+        if centred:
+            for p in params:  # in the compute dtype, as the step's arithmetic (theta - c is stepped there)
+                self.state[p]["center"] = p.detach().to(reference.compute_dtype(p.dtype), copy=True)
         self._radii_source.append(self._radii_record(group))
         self._plan_cache = None
+
+    def _centers_of(self, group: dict) -> list[torch.Tensor] | None:
+        """The centres of a centred group's parameters (state "center"), or None for balls centred at 0."""
+        if group.get("center") != "init" or isinstance(group["constraint"], constraints.Unconstrained):
+            return None
+        return [self.state[p]["center"] for p in group["params"]]
+
+    def _check_center(self, group: dict, g: int) -> None:
+        """center is fixed when a group is added (its centre is the parameters' values then)."""
+        wants = group.get("center") == "init" and not isinstance(group["constraint"], constraints.Unconstrained)
+        has = [p for p in group["params"] if p in self.state and "center" in self.state[p]]
+        if group.get("center") not in CENTERS or (wants and len(has) != len(group["params"])) \
+                or (not wants and has and not isinstance(group["constraint"], constraints.Unconstrained)):
+            raise ValueError(f"param group {g}: center was changed to {group.get('center')!r} after the group was "
+                             f"added; a group's centre is set when it is added (center='init' keeps the values "
+                             f"then): create the optimizer again, or add a new group")
 
     @staticmethod
     def _radii_record(group: dict) -> tuple:
@@ -355,6 +383,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         for a constraint that is not one) naming the group, with nothing changed."""
         changes = []
         for g, group in enumerate(self.param_groups):
+            self._check_center(group, g)
             source, spec, radii = self._radii_source[g]
             if group["constraint"] is None:  # made unconstrained: a gradient step from now on
                 group["constraint"] = constraints.Unconstrained()
@@ -383,7 +412,17 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             changes.append((g, group, constraint, targets, _row_radii(new_radii) if constraint.scope == "row"
                             else list(new_radii)))
         for g, group, constraint, targets, new_radii in changes:
-            constraint.make_feasible_(targets, new_radii, f"the parameters of param group {g} (its settings changed)")
+            centers = self._centers_of(group)
+            if centers is not None:  # the balls are around the centre: theta - c is moved into them
+                deltas = [t.detach().to(c.dtype) - c for t, c in zip(targets, centers)]
+                constraint.make_feasible_(deltas, new_radii, f"the parameters of param group {g} (its settings "
+                                                             f"changed), less their centre")
+                with torch.no_grad():
+                    for t, c, delta in zip(targets, centers, deltas):
+                        t.copy_(c + delta)
+            else:
+                constraint.make_feasible_(targets, new_radii,
+                                          f"the parameters of param group {g} (its settings changed)")
             with torch.no_grad():
                 for p, target in zip(group["params"], targets):
                     if target is not p:
@@ -562,7 +601,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
-            for key in ("momentum", "master"):
+            for key in ("momentum", "master", "center"):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=reference.compute_dtype(p.dtype),
                                                        copy=True)
@@ -614,7 +653,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             constraint = group["constraint"]
             key.append((g, tuple(map(id, group["params"])), constraint, _constraint_spec(constraint),
                         group["backend"], self._schedule_key(group), group["rescale"], list(group["radii"]),
-                        tuple(self._takes_part(group))))
+                        tuple(self._takes_part(group)), group.get("center")))
         return key
 
     def _prepared(self) -> _Plan:
@@ -666,9 +705,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             # the L1 ball steps in the fused kernels; another set, or a rescaled step (a step per ball), steps in
             # torch ops through its vertex (reference.fw_step_), in calls of its own for each constraint object
             fused = isinstance(constraint, L1Ball) and group["rescale"] is None
+            self._check_center(group, g)
             shared = (_ops.resolve_backend(group["backend"], device), momentum,
                       ("group", g) if constraint.global_ball else None if fused else id(constraint),
-                      self._schedule_key(group), group["rescale"])
+                      self._schedule_key(group), group["rescale"], self._centers_of(group) is not None)
             for i, p in enumerate(params):
                 # an empty tensor has no ball (rows of nothing): left out, nothing of it moves
                 if not takes_part[i] or not p.numel():
@@ -708,6 +748,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         """The call's momentum and float32 master copies, made at its first step (not when the plan is built:
         a step that fails before the update leaves no state behind)."""
         call.targets = [self._master(p) if p.dtype in _HALF_DTYPES else p for p in call.params]
+        if self._centers_of(call.group) is not None:
+            call.centers = [self.state[p]["center"] for p in call.params]
         call.halves = [(p, self._master(p)) for p in call.params if p.dtype in _HALF_DTYPES]
         if call.momentum:
             for p in call.params:
@@ -824,6 +866,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 self._make_state(call)
                 plan.key[0] = len(self.state)  # the state this plan made is its own (see _plan_key)
             gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
+            if call.centers:  # a centred ball: the step is theta - c <- (1 - alpha)(theta - c) + alpha s
+                torch._foreach_sub_(call.targets, call.centers)
             if call.fused_set is not None:
                 _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
                                   schedule[c], coeffs_on[device], call.radii, call.global_ball, call.starts, seed,
@@ -852,6 +896,8 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c],
                                  coeffs_on[device], call.radii, call.global_ball, call.starts, seed, distribution, gap,
                                  backend=call.backend, row_numel=call.row_numel, prepared=True)
+            if call.centers:
+                torch._foreach_add_(call.targets, call.centers)
             if call.halves:
                 # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
                 torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])
