@@ -556,7 +556,8 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
         elif shrink:
             # (1 - a) theta + a s, not theta + a (s - theta): near the optimum s_i - theta_i is small, and a move
             # a (s_i - theta_i) below half an ulp of theta_i is lost every step (a stall that grows with 1 / a:
-            # float32 FW on a column-norm ball stalled 1.6e-5 relative above float64 after 2,000 steps)
+            # float32 FW on a column-norm ball stalled 1.6e-5 relative above float64 after 2,000 steps; on the
+            # fused L2 step the other form measured no better, so dense_update keeps it: docs/feasibility.md)
             new = (1 - a) * theta + a * s_t
         else:
             new = theta + a * (s_t - theta)
