@@ -122,3 +122,11 @@ def test_lm_quick(tmp_path):
     assert set(rows) == {"adamw", "muon", "fw_scion", "fw_l1"}
     assert all(0 < float(r["val_mean"]) < 10 for r in rows.values())
     assert (tmp_path / "lm.png").exists()
+
+
+def test_lm_extra_grid_quick():
+    """bench/lm_extra_grid.py runs given settings beyond lm.py's grids and prints a finite validation loss each."""
+    out = run("bench/lm_extra_grid.py", "--preset", "quick", "fw_scion", '{"step_size": 0.01, "scale": 2.0}',
+              "muon", '{"lr": 0.001}')
+    values = [float(line.split("val ")[1].split()[0]) for line in out.splitlines() if line.startswith("extra")]
+    assert len(values) == 2 and all(0 < v < 10 for v in values), out
