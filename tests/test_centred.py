@@ -113,3 +113,23 @@ def test_a_smaller_radius_mid_run_moves_theta_minus_its_centre_into_the_new_ball
     # a zero gradient's vertex is the first element's; the rest of the offset is the rescaled old offset, halved
     torch.testing.assert_close(new_offset[1:], 0.5 * offset[1:] * (0.25 / float(offset.abs().sum())),
                                rtol=1e-12, atol=1e-14)
+
+
+def test_param_groups_pass_the_centre_through():
+    """fgfw.param_groups with a dict of group options: the weights' balls around their start, the rest unconstrained;
+    after FrankWolfe steps every weight row is within its radius of its start (float64: to rounding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 2)).double()
+    starts = [m.weight.detach().clone() for m in (model[0], model[2])]
+    groups = fgfw.param_groups(model, weights={"constraint": fgfw.L1Ball.relative_to_init(0.2, scope="row"),
+                                               "center": "init"})
+    opt = fgfw.FrankWolfe(groups, constraint=None, step_size=0.3)
+    x = torch.randn(16, 6, dtype=F64)
+    for _ in range(10):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    for m, start in zip((model[0], model[2]), starts):
+        moved = (m.weight.detach() - start).abs().sum(dim=1)
+        assert bool((moved <= 0.2 * start.abs().sum(dim=1) * (1 + 1e-12)).all())
+        assert float(moved.max()) > 0
