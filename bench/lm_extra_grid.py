@@ -1,5 +1,6 @@
 """Settings beyond bench/lm.py's fixed grids, run after it found a method's best at a grid edge (issue 24): the same
-data, model, budget and seed 0 as the grid runs, scored on the validation split only (the test split stays unread).
+data, model, budget and seed 0 as the grid runs, scored on the validation split only (the test split stays unread); --seeds repeats a setting, --target prints
+the first evaluated step at or below a validation loss.
 
     python bench/lm_extra_grid.py --threads 1 fw_scion '{"step_size": 0.003, "scale": 2.0}' muon '{"lr": 0.001}'
 """
@@ -15,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from char_gpt import CharData, stdlib_text  # noqa: E402
-from lm import PRESETS, train  # noqa: E402
+from lm import PRESETS, steps_to_reach, train  # noqa: E402
 
 
 def main(argv=None):
@@ -23,6 +24,9 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--target", type=float, default=None,
+                        help="also print the first evaluated step whose validation loss is <= this")
     parser.add_argument("pairs", nargs="+", help="method, then its setting as JSON; repeated")
     args = parser.parse_args(argv)
     if args.threads:
@@ -33,9 +37,12 @@ def main(argv=None):
     data = CharData(stdlib_text(size["chars"]))
     val = data.windows("val", size["context"], 256)
     for method, setting in zip(args.pairs[::2], args.pairs[1::2]):
-        run = train(method, json.loads(setting), 0, data, size, torch.device("cpu"), args.eval_every, val)
-        print(f"extra {method:>8} {setting}: val {run['val']:.4f} ({1e3 * run['seconds_per_step']:.1f} ms/step)",
-              flush=True)
+        for seed in args.seeds:
+            run = train(method, json.loads(setting), seed, data, size, torch.device("cpu"), args.eval_every, val)
+            reach = "" if args.target is None else \
+                f", reaches {args.target} at step {steps_to_reach(run['curve'], args.target)}"
+            print(f"extra {method:>8} {setting} seed {seed}: val {run['val']:.4f} "
+                  f"({1e3 * run['seconds_per_step']:.1f} ms/step{reach})", flush=True)
 
 
 if __name__ == "__main__":
