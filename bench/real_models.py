@@ -85,6 +85,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from mezo import MeZO  # noqa: E402
+from train_step import _hwm_bytes, _reset_hwm, _rss_bytes  # noqa: E402  (process memory, one definition)
 
 METHODS = ("forward", "adam", "frankwolfe", "frankwolfe_ckpt", "afgfw_lean", "afgfw_lean_k4", "afgfw_forward_ad",
            "afgfw_activity", "afgfw_activity_recompute", "mezo")
@@ -185,24 +186,6 @@ def make_loss(model: nn.Module, kind: str, x, y, per_example: bool):
 
 
 # -- one case, in its own process --------------------------------------------------------------------------------------
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def make_step(method: str, model: nn.Module, kind: str, x, y):
     """(step function, optimizer or None) of one method on ``model``."""
     import fgfw
