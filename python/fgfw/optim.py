@@ -705,7 +705,6 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             # the L1 ball steps in the fused kernels; another set, or a rescaled step (a step per ball), steps in
             # torch ops through its vertex (reference.fw_step_), in calls of its own for each constraint object
             fused = isinstance(constraint, L1Ball) and group["rescale"] is None
-            self._check_center(group, g)
             shared = (_ops.resolve_backend(group["backend"], device), momentum,
                       ("group", g) if constraint.global_ball else None if fused else id(constraint),
                       self._schedule_key(group), group["rescale"], self._centers_of(group) is not None)

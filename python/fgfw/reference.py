@@ -604,52 +604,45 @@ def correct_by_gauge_(params: Sequence[torch.Tensor], balls, radii: Sequence[flo
         u = torch.finfo(cdt).eps / 2
         return radius_down(torch.where(g > r, r / g * (1 - 3 * u), torch.ones_like(g)), cdt)
 
+    # the units corrected together: (segments, radii per part, parts(x, shape) -> (gauges, part of each element))
+    units = []
     if global_ball:
-        groups = [[(t, 0, p.numel()) for t, p in enumerate(params) if p.numel()]]
-        group_radii = [radii[0]]
+        units.append(([(t, 0, p.numel()) for t, p in enumerate(params) if p.numel()], radii[0], gauge_parts))
     else:
-        groups, group_radii = [], []
-        for (t, start, length), r in zip(balls, radii):
-            if length and not (row_gauges is not None and row_numel and row_numel[t]):
-                groups.append([(t, start, length)])
-                group_radii.append(r)
-    for group, r in zip(groups, group_radii):  # one ball (tensor scope or the global ball)
-        r64 = torch.tensor(float(r), dtype=torch.float64)
+        at = 0
+        for t, p in enumerate(params):
+            count = sum(1 for ball in balls if ball[0] == t)
+            n = row_numel[t] if row_numel else 0
+            if row_gauges is not None and n and p.numel():  # the row balls of a tensor at once
+                index = torch.arange(p.numel()) // n
+                units.append(([(t, 0, p.numel())], [float(r) for r in radii[at:at + count]],
+                              lambda x, shape, n=n, index=index: (row_gauges(x.reshape(-1, n)).cpu(), index)))
+            else:
+                units += [([(t, start, length)], r, gauge_parts)
+                          for (_, start, length), r in zip(balls[at:at + count], radii[at:at + count]) if length]
+            at += count
+    for segments, r, parts in units:
+        r64 = torch.tensor(r, dtype=torch.float64)
         for _ in range(GAUGE_CORRECTION_PASSES):
-            if len(group) == 1:
-                t, start, length = group[0]
+            if len(segments) == 1:
+                t, start, length = segments[0]
                 whole = length == params[t].numel() and not (row_numel and row_numel[t])
                 shape = tuple(params[t].shape) if whole else (length,)
                 x = params[t].reshape(-1)[start:start + length].double()
             else:
-                x = torch.cat([params[t].reshape(-1).double() for t, _, _ in group])
+                x = torch.cat([params[t].reshape(-1).double() for t, _, _ in segments])
                 shape = (x.numel(),)
-            g, index = gauge_parts(x, shape)
+            g, index = parts(x, shape)
             if not bool((g > r64).any()):  # inside (NaN compares False: nothing to scale back)
                 break
             at = 0
-            for t, start, length in group:
+            for t, start, length in segments:
                 cdt = compute_dtype(params[t].dtype)
                 c = factor(g, r64, cdt)
                 c = c if index is None else c[index[at:at + length]]
                 view = params[t].reshape(-1)[start:start + length]
                 view.copy_((view.to(cdt) * c.to(view.device)).to(params[t].dtype))
                 at += length
-    if row_gauges is None or global_ball or not row_numel:
-        return
-    at = 0  # the row balls of each tensor at once
-    for t, p in enumerate(params):
-        count = sum(1 for ball in balls if ball[0] == t)
-        if row_numel[t] and p.numel():
-            cdt = compute_dtype(p.dtype)
-            r_rows = torch.tensor([float(r) for r in radii[at:at + count]], dtype=torch.float64, device=p.device)
-            rows = p.reshape(-1, row_numel[t])
-            for _ in range(GAUGE_CORRECTION_PASSES):
-                g = row_gauges(rows.double())
-                if not bool((g > r_rows).any()):
-                    break
-                rows.copy_((rows.to(cdt) * factor(g, r_rows, cdt).unsqueeze(1)).to(p.dtype))
-        at += count
 
 
 def _ball_sums(terms: list[torch.Tensor], balls, global_ball: bool, integer: bool) -> list:
