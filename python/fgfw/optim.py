@@ -342,7 +342,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             raise ValueError(f"center must be one of {CENTERS} (None: the set's balls are centred at 0; 'init': at "
                              f"the parameters' values when the group is added, for fine-tuning), got "
                              f"{group['center']!r}")
-        centred = group["center"] == "init" and not isinstance(constraint, constraints.Unconstrained)
+        centred = self._centred(group)
         if not centred:  # a centred group starts at its centre: theta - c = 0 is in every ball
             constraint.make_feasible_(params, group["radii"])
         super().add_param_group(group)
@@ -352,15 +352,18 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         self._radii_source.append(self._radii_record(group))
         self._plan_cache = None
 
+    @staticmethod
+    def _centred(group: dict) -> bool:
+        """Whether the group's balls are centred at its starting values (an unconstrained group has none)."""
+        return group.get("center") == "init" and not isinstance(group["constraint"], constraints.Unconstrained)
+
     def _centers_of(self, group: dict) -> list[torch.Tensor] | None:
         """The centres of a centred group's parameters (state "center"), or None for balls centred at 0."""
-        if group.get("center") != "init" or isinstance(group["constraint"], constraints.Unconstrained):
-            return None
-        return [self.state[p]["center"] for p in group["params"]]
+        return [self.state[p]["center"] for p in group["params"]] if self._centred(group) else None
 
     def _check_center(self, group: dict, g: int) -> None:
         """center is fixed when a group is added (its centre is the parameters' values then)."""
-        wants = group.get("center") == "init" and not isinstance(group["constraint"], constraints.Unconstrained)
+        wants = self._centred(group)
         has = [p for p in group["params"] if p in self.state and "center" in self.state[p]]
         if group.get("center") not in CENTERS or (wants and len(has) != len(group["params"])) \
                 or (not wants and has and not isinstance(group["constraint"], constraints.Unconstrained)):
