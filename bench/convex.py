@@ -1,7 +1,7 @@
 """The convex check as a plot: f(theta_k) - f* for FW, FGFW and AFGFW on a problem with a certified optimum.
 
 f(theta) = 0.5 ||Q theta - y||^2 over the L1 ball of radius 1 (Q with orthonormal columns: theta* is the
-projection of Q^T y onto the ball, in closed form; ``fgfw.experiments.least_squares_problem``). Every
+projection of Q^T y onto the ball, in closed form; ``fgfw.testing.problems.least_squares_problem``). Every
 method starts at theta_0 = 0 with the paper's schedules: FW on the exact gradient and FGFW with
 alpha_k = 2/(k+2), AFGFW with alpha_k = 1/k, gamma_k = 1/sqrt(k). Theorem 1 predicts that FGFW stalls
 at a floor set by the variance of its gradient estimate; Theorem 2 that AFGFW converges (O(1/sqrt(k))).
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fgfw.experiments import convex_suboptimality
+from fgfw.testing.convex import convex_suboptimality
 
 LABELS = {"fw": "FW (exact gradient), alpha=2/(k+2)", "fgfw": "FGFW (Alg. 1), alpha=2/(k+2)",
           "afgfw": "AFGFW (Alg. 2), alpha=1/k, gamma=1/sqrt(k)"}

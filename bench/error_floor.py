@@ -2,7 +2,7 @@
 float32 Frank-Wolfe, on least-squares problems over each fused set with a certified optimum (issue 21).
 
 f(x) = ||A x - b||^2 (A 100 x 50 Gaussian, float32; b = A x_far with x_far three radii outside the set), from
-x_0 = 0, over the set of radius 1 (``fgfw.experiments.least_squares_over``: f* from an accelerated projected
+x_0 = 0, over the set of radius 1 (``fgfw.testing.problems.least_squares_over``: f* from an accelerated projected
 gradient in float64, certified by the Frank-Wolfe gap of its point). Rows:
 
 * ``FrankWolfe`` - fgfw's step (``--backend``, default cpu) on the exact (backprop) gradient, alpha = 2/(k+2) (k
@@ -26,7 +26,8 @@ import time
 import torch
 
 import fgfw
-from fgfw.experiments import least_squares_over, write_csv
+from fgfw.experiments import write_csv
+from fgfw.testing.problems import least_squares_over
 
 MARKS = (1_000, 5_000, 10_000, 20_000)
 SETS = {"L1": fgfw.L1Ball(radius=1.0), "L2": fgfw.L2Ball(radius=1.0), "L-inf": fgfw.LInfBall(radius=1.0),

@@ -2,14 +2,15 @@
 
 f(theta) = 0.5 ||Q theta - y||^2 over the L1 ball of radius 1, Q with orthonormal columns, so that
 theta* = the Euclidean projection of Q^T y onto the ball (closed form, see
-``fgfw.experiments.least_squares_problem``). Both methods run the paper's schedules (FGFW alpha_k = 2/(k+2); AFGFW alpha_k = 1/k, gamma_k = 1/sqrt(k)) from
+``fgfw.testing.problems.least_squares_problem``). Both methods run the paper's schedules (FGFW alpha_k = 2/(k+2); AFGFW alpha_k = 1/k, gamma_k = 1/sqrt(k)) from
 theta_0 = 0 with fixed tangent seeds. Assertions compare averages of f - f* over windows of steps,
 averaged over seeds, never single iterates.
 """
 import pytest
 import torch
 
-from fgfw.experiments import convex_suboptimality, least_squares_problem
+from fgfw.testing.convex import convex_suboptimality
+from fgfw.testing.problems import least_squares_problem
 
 DIM, STEPS, SEEDS = 10, 1000, (0, 1)
 

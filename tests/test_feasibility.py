@@ -22,7 +22,7 @@ import torch
 
 import fgfw
 from fgfw import _ops
-from fgfw.experiments import least_squares_over
+from fgfw.testing.problems import least_squares_over
 
 # The CPU kernels and the reference on the CPU; the CUDA kernels and compiled Triton on a GPU (the Triton
 # interpreter is far too slow for these trajectories).
@@ -135,7 +135,7 @@ def test_float32_frank_wolfe_has_no_error_floor(backend):
     step, runs 5,000 steps (before: 4.8e-3; plain 3e-5)."""
     device = _device(backend)
     steps = 5_000 if backend == "torch" else 20_000
-    problem = least_squares_over(SETS["L1"])
+    problem = least_squares_over(SETS["L1"], device=device)
     assert problem.certificate < 1e-12  # f* is certified to far below the tolerances here
     got, worst = _frank_wolfe(SETS["L1"], problem, torch.float32, steps, backend, device)
     plain, _ = _frank_wolfe(SETS["L1"], problem, torch.float32, steps, backend, device, plain=True)
@@ -176,7 +176,7 @@ def test_every_set_keeps_its_iterates_within_the_stated_tolerance(backend, name,
     device = _device(backend)
     steps = 1_000 if backend == "torch" else 5_000
     constraint = SETS[name]
-    problem = least_squares_over(constraint) if name != "Lp, p=3" else least_squares_over(SETS["L2"])
+    problem = least_squares_over(constraint if name != "Lp, p=3" else SETS["L2"], device=device)
     _, worst = _frank_wolfe(constraint, problem, dtype, steps, backend, device)
     assert worst[0] <= _tolerance(constraint, dtype, 50), f"gauge / r - 1 reached {worst[0]:.3g}"
     if name in ("L-inf", "k-sparse"):
