@@ -215,7 +215,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         # optimizer made inside a compiled step, but keeps the mutations of a container it holds.
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
         self._frozen_left_out = 0  # frozen parameters add_param_group left out
-        self._plan_cache: _Plan | None = None  # see _prepared
+        self._plan_cache: dict[str, _Plan | None] = {"plan": None}  # see _prepared
         # per param group, what its radii were resolved from: (constraint, its _constraint_spec, radii); see
         # _apply_setting_changes
         self._radii_source: list[tuple] = []
@@ -350,7 +350,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             for p in params:  # in the compute dtype, as the step's arithmetic (theta - c is stepped there)
                 self.state[p]["center"] = p.detach().to(reference.compute_dtype(p.dtype), copy=True)
         self._radii_source.append(self._radii_record(group))
-        self._plan_cache = None
+        self._plan_cache["plan"] = None
 
     @staticmethod
     def _centred(group: dict) -> bool:
@@ -615,7 +615,7 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                                                                copy=True)
         self._load_extra_state(extra)
         self._radii_source = [self._radii_record(group) for group in self.param_groups]  # the saved run's
-        self._plan_cache = None  # new state tensors
+        self._plan_cache["plan"] = None  # new state tensors
 
     # -- the update ---------------------------------------------------------------------------------------------
     def _master(self, p: torch.Tensor) -> torch.Tensor:
@@ -660,10 +660,17 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         return key
 
     def _prepared(self) -> _Plan:
-        """The plan of this step: the cached one unless the groups changed since it was built."""
-        plan = self._plan_cache
+        """The plan of this step: the cached one unless the groups changed since it was built.
+
+        A compiled step builds its own while it is traced, and neither reads nor stores the cache: a graph that
+        reached the parameters through a cached plan kept references to their gradients, and dynamo dropped the
+        graph whenever zero_grad() freed them (a recompilation per step). Storing it failed on torch 2.11 too,
+        whose dynamo refuses an attribute assignment to an optimizer inside a compiled step."""
+        if torch.compiler.is_compiling():
+            return self._build_plan()
+        plan = self._plan_cache["plan"]
         if plan is None or plan.key != self._plan_key():
-            plan = self._plan_cache = self._build_plan()
+            plan = self._plan_cache["plan"] = self._build_plan()
         return plan
 
     def _build_plan(self) -> _Plan:
@@ -904,10 +911,12 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                 # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
                 torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])
             gaps.append(gap)
-        # summed where the first call's device is: no host synchronisation
-        self.last_gap = None
+        # summed where the first call's device is: no host synchronisation. Into the container itself, not through
+        # the last_gap property: torch 2.11's dynamo refuses a property's setattr inside a compiled step.
+        total = None
         for gap in gaps:
-            self.last_gap = gap if self.last_gap is None else self.last_gap + gap.to(self.last_gap.device)
+            total = gap if total is None else total + gap.to(total.device)
+        self._step_results["gap"] = total
         self._step_count_k.copy_(k)
 
 
