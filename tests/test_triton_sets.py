@@ -1,22 +1,19 @@
 """The Triton set steps (fgfw.triton.set_steps: L-infinity balls, Lp balls, k-sparse polytopes) against the spec,
 fgfw.reference, through the checker that every backend shares (tests/set_cases.py); then what that checker does
 not reach: stream offsets off the Philox call boundaries, balls of many chunks, NaN and zero directions, the
-custom ops, and the kernels compiled for sm_90 without a GPU.
+custom ops. The kernels compiled for sm_90 without a GPU: tests/test_triton_compile.py (fgfw.triton.aot).
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (as tests/test_triton.py), so the shared
 cases are covered on a subset of their product: every set and scope with one source, the other sources and
 dtypes on fewer combinations.
 """
-import json
 import os
 
 import pytest
 import torch
 
-# Run as a script, this file is the child process of ``compiled`` below, which compiles the kernels instead.
-COMPILING = __name__ == "__main__"
 # Before fgfw.triton is imported: see tests/test_triton.py.
-if not torch.cuda.is_available() and not COMPILING:
+if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
@@ -25,7 +22,7 @@ import set_cases  # noqa: E402
 from fgfw import reference  # noqa: E402
 from fgfw import triton as fgfw_triton  # noqa: E402
 
-if not fgfw_triton.is_available() and not COMPILING:
+if not fgfw_triton.is_available():
     pytest.skip("Triton kernels cannot run here: no CUDA device, and fgfw.triton was imported before "
                 "TRITON_INTERPRET=1 was set", allow_module_level=True)
 
@@ -263,108 +260,3 @@ def test_custom_ops_route_from_the_optimizers_entry(kind, param):
         results.append((params[0].cpu(), momentum[0].cpu(), float(gap)))
     for p, v, g in results[1:]:
         assert torch.equal(p, results[0][0]) and torch.equal(v, results[0][1]) and g == results[0][2]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Compiled for sm_90 without a GPU (as tests/test_triton_compile.py, whose ptxas report this reuses).
-
-# name: (kernel, set, parameter dtype, source and momentum flags, SEG, BALLS): every pass of every set with
-# AFGFW's Gaussian tangents on long balls (whole tiles, on call boundaries) in float32, float64 and bfloat16,
-# and on rows of 33 (32 to a tile, off the call boundaries) in float32; the Lp passes with p = 1.01 (the
-# general pow), the update also with p = 3 (q - 1 = 1/2: sqrt).
-_AFGFW = dict(HAS_GRAD=False, HAS_MOMENTUM=True, GAUSSIAN=True)
-VARIANTS = {
-    f"{kernel}_{kind}_{dtype}_{'rows' if rows else 'long'}": (kernel, kind, dtype, _AFGFW, 64 if rows else 2048,
-                                                             32 if rows else 1)
-    for kernel, kind in (("update", "linf"), ("update", "lp"), ("update", "ksparse"), ("reduce", "lp"),
-                         ("reduce", "ksparse"))
-    for dtype, rows in (("float32", False), ("float64", False), ("bfloat16", False), ("float32", True))}
-VARIANTS["update_lp_p3_float32_long"] = ("update", "lp3", "float32", _AFGFW, 2048, 1)
-VARIANTS["finalize_lp"] = ("finalize", "lp", None, {}, None, None)
-VARIANTS["feedback_lp_float32"] = ("feedback", "lp", "float32", {}, None, None)
-VARIANTS["feedback_ksparse_float64"] = ("feedback", "ksparse", "float64", {}, None, None)
-_KINDS = {"linf": (set_steps.LINF, 2.0), "lp": (set_steps.LP, 1.01), "lp3": (set_steps.LP, 3.0),
-          "ksparse": (set_steps.KSPARSE, 2.0)}
-_INTS = ("n_balls", "n", "stream_base", "chunks", "slot_base", "key_base", "ball_base", "stat_base", "pos_base",
-         "key_lo", "key_hi", "n_tangents")
-
-
-def _compile_variants() -> dict:
-    """Compiles every variant for sm_90 as the launcher would (warps, register ceiling) and measures it (runs
-    in a child process, without the interpreter)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import sm_arch_from_capability
-    from triton.compiler import ASTSource
-
-    import test_triton_compile as compile_check
-    from fgfw.triton import tangent
-
-    target = GPUTarget("cuda", compile_check.CAPABILITY, 32)
-    ptxas = triton.knobs.nvidia.ptxas.path
-    results = {}
-    for name, (kernel, kind_name, dtype_name, flags, seg, balls) in VARIANTS.items():
-        kind, p = _KINDS[kind_name]
-        q = p / (p - 1)
-        options = dict(enable_fp_fusion=False, maxnreg=set_steps._MAX_REGISTERS)
-        if kernel == "finalize":
-            fn = set_steps._lp_finalize_kernel
-            options["num_warps"] = 4
-            constexprs = dict(Q=q, INV_Q=1 / q, RB=1, CB=set_steps._RBLOCK)
-            signature = dict(part_max="*fp64", part_sum="*fp64", ball_max="*fp64", ball_norm="*fp64")
-        elif kernel == "feedback":
-            fn = set_steps._feedback_kernel
-            options["num_warps"] = 4
-            integer = kind == set_steps.KSPARSE
-            constexprs = dict(P=1.0 if integer else p, INTEGER=integer,
-                              COMPUTE_DTYPE=tangent.TL_DTYPES[getattr(torch, dtype_name)], RB=1, CB=set_steps._RBLOCK)
-            sums = "*i64" if integer else "*fp64"
-            signature = dict(fb_stored=sums, fb_exact=sums, radii="*fp64", factors="*fp64", scales="*fp64",
-                             bound_times="fp64")
-        else:
-            fn = set_steps._set_update_kernel if kernel == "update" else set_steps._set_reduce_kernel
-            options["num_warps"] = seg * balls // (32 * set_steps._ELEMENTS_PER_THREAD[kind])
-            param = tangent.TL_DTYPES[getattr(torch, dtype_name)]
-            compute = tangent.TL_DTYPES[reference.compute_dtype(getattr(torch, dtype_name))]
-            key = "*i64" if compute.name == "fp64" else "*i32"
-            # the update with the norm feedback (its sums and scales) where the set has one
-            constexprs = dict(flags, KIND=kind, COMPUTE_DTYPE=compute, NO_LEAD=balls == 1, BALLS=balls, SEG=seg,
-                              Q=q, Q_MINUS_1=q - 1, P=p if kind == set_steps.LP else 1.0,
-                              FEEDBACK=kind != set_steps.LINF)
-            sums = "*i64" if kind == set_steps.KSPARSE else "*fp64"
-            signature = dict(param=f"*{param.name}", momentum=f"*{compute.name}", grad=f"*{param.name}",
-                             schedule="*fp64", tangent_coeffs="*fp64", radii="*fp64", gap_part="*fp64",
-                             stat_a=key if kind == set_steps.KSPARSE else "*fp64",
-                             stat_b="*i64" if kind == set_steps.KSPARSE else "*fp64", part_max="*fp64",
-                             part_sum="*fp64", keys=key, factors="*fp64", scales="*fp64", fb_stored=sums,
-                             fb_exact=sums)
-        signature.update((arg, "i32") for arg in _INTS)
-        signature.update((arg, "constexpr") for arg in constexprs)
-        signature = {arg: signature[arg] for arg in fn.arg_names}
-        constexprs = {arg: value for arg, value in constexprs.items() if arg in signature}
-        pointers = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]]
-                    for arg, arg_type in signature.items() if arg_type.startswith("*")}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=pointers),
-                                  target=target, options=options)
-        results[name] = compile_check._ptxas_report(ptxas, sm_arch_from_capability(compile_check.CAPABILITY),
-                                                    compiled.asm["ptx"])
-    return results
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    """{variant name: ptxas counts}, from one child process that compiles them all."""
-    import test_triton_compile as compile_check
-    return compile_check.compile_in_child(__file__, "the set-step kernels")
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_compiles_for_sm90_without_spills(compiled, name):
-    import test_triton_compile as compile_check
-
-    report = compiled[name]
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills: {report}"
-    assert report["registers"] <= compile_check.MAX_REGISTERS, f"{name} needs too many registers: {report}"
-
-
-if __name__ == "__main__":
-    print(json.dumps(_compile_variants()))

@@ -60,7 +60,7 @@ import triton.language as tl
 from .. import reference
 from .feasibility import _capped_sum, _l1_vertex_value, _norm_units, _saturating_add, units_factor
 from .tangent import (BLOCK, INTERPRET, ROWS, TL_DTYPES, _box_muller, _philox4x32_10, _rademacher,
-                      check_distribution, device_of, key_words, tangent_tile, to_storage)
+                      check_distribution, device_of, device_path, key_words, tangent_tile, to_storage)
 
 # The one int64 table (see the module docstring), _META_STRIDE columns per row.
 _META_STRIDE = tl.constexpr(8)
@@ -78,6 +78,10 @@ _ROW_NUMEL, _BALLS, _FIRST_PROGRAM, _FIRST_BALL = (tl.constexpr(c) for c in (1, 
 # 8 warps: 8 elements per thread, about 64 registers for float32 (126 for float64) on sm_90, so
 # several blocks fit on an SM; 4 warps doubled the registers per thread.
 _BLOCK_WARPS = 8
+# A register ceiling for the step kernels (set_steps.py sets the same): without one, ptxas kept the kernels that
+# call libdevice (the Gaussian tangent's log, sin and cos) to 64-80 registers and spilled around the calls (Triton
+# 3.6 and 3.8 on sm_90, python -m fgfw.triton.aot); 128 still fits two 8-warp programs on an SM.
+_MAX_REGISTERS = 128
 
 # Short balls: a ball of n elements whose tile row needs SEG = next power of two >= n + lead (>= 4) is
 # stepped by the rows kernel when SEG <= _MAX_ROW_SEG, BLOCK // SEG balls per program: BLOCK elements, 8
@@ -87,6 +91,7 @@ _BLOCK_WARPS = 8
 # blocks path.
 _MAX_ROW_SEG = BLOCK
 _MIN_ROW_SEG = 4
+_WIDE_ROW_SEG = 256  # see _rows_warps
 
 # Slots reduced per iteration by the finalize and gap kernels.
 _RBLOCK = 1024
@@ -151,10 +156,14 @@ def _argmax_abs_rows(d, valid, col):
 
 @triton.jit
 def _pick_rows(x, hit, COMPUTE_DTYPE: tl.constexpr):
-    """x at the one hit of each row of a [BALLS, SEG] tile, bit for bit (a sum of floats would turn -0 into +0)."""
+    """x at the one hit of each row of a [BALLS, SEG] tile, bit for bit (a sum of floats would turn -0 into +0).
+
+    An else, not an early return: Triton 3.6 compiles the statements after a return inside a constexpr if, so the
+    float32 line failed on float64 tiles ("Cannot bitcast data-type of size 64 to data-type of size 32")."""
     if COMPUTE_DTYPE == tl.float64:
         return tl.sum(tl.where(hit, x.to(tl.int64, bitcast=True), 0), axis=1).to(tl.float64, bitcast=True)
-    return tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.float32, bitcast=True)
+    else:
+        return tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -449,7 +458,7 @@ def _fw_finalize_kernel(balls, ball_radii, factors, block_tensor, meta, schedule
     tl.store(ball_gap + ball, tl.sum(dot) + tl.abs(best_d) * radius)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_balls"])
 def _gap_sum_kernel(ball_gap, gap, n_balls, RBLOCK: tl.constexpr):
     total = tl.zeros([RBLOCK], dtype=tl.float64)
     for chunk in range(0, n_balls, RBLOCK):
@@ -483,6 +492,15 @@ class _Layout:
     long_balls: torch.Tensor  # int64, per long ball (first slot, slots, ball index, elements)
     n_long_balls: int
     row_launches: tuple
+
+
+def _rows_warps(seg: int, aligned: bool, compute_dtype) -> int:
+    """Warps of a _fw_rows_kernel launch: 8 elements per thread (_BLOCK_WARPS), or 4 where 8 needed more than
+    128 registers or spilled on sm_90 (python -m fgfw.triton.aot, Triton 3.6 and 3.8): unaligned tiles, float64,
+    and tiles of fewer than 8 balls (SEG >= _WIDE_ROW_SEG)."""
+    if not aligned or compute_dtype == tl.float64 or seg >= _WIDE_ROW_SEG:
+        return 2 * _BLOCK_WARPS
+    return _BLOCK_WARPS
 
 
 def _row_seg(need: int) -> int:
@@ -674,7 +692,7 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
     device, dtype = params[0].device, params[0].dtype
     if dtype not in TL_DTYPES:
         raise TypeError(f"params must be float32, float64, bfloat16 or float16, got {dtype}")
-    if device.type != "cuda" and not INTERPRET:
+    if not device_path(params[0]) and not INTERPRET:
         raise ValueError(f"the Triton backend runs on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
                          f"before importing fgfw.triton), got params on {device}")
     if device.type != "cpu" and INTERPRET:
@@ -762,7 +780,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
         GAUSSIAN=distribution == reference.GAUSSIAN,
         # enable_fp_fusion=False: no FMA contraction, so every product and sum rounds as in the reference
         # (it matters for ties in argmax |d| and costs nothing in a memory-bound kernel).
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, maxnreg=_MAX_REGISTERS)
     # With grads, tangent_coeffs is never read and may be an empty tensor on any device: pass a tensor
     # known to be on the params' device in its place.
     coeffs, n_tangents = (schedule, 0) if has_grad else (tangent_coeffs, tangent_coeffs.numel())
@@ -773,19 +791,23 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
                 launch.program_group, meta, schedule, coeffs, layout.radii, layout.factors, ball_gap, key_lo, key_hi,
                 n_tangents,
                 ALIGNED=rows_aligned, BALLS=launch.balls, SEG=launch.seg,
-                num_warps=_BLOCK_WARPS if rows_aligned else 2 * _BLOCK_WARPS, **kernel_args)
+                num_warps=_rows_warps(launch.seg, rows_aligned, compute_dtype), **kernel_args)
         if layout.slots:
             partial_d = torch.empty(layout.slots, dtype=torch.float64, device=device)
             partial_index = torch.empty(layout.slots, dtype=torch.int64, device=device)
             partial_dot = torch.empty(layout.slots, dtype=torch.float64, device=device)
             partial_units = torch.empty(2 * layout.slots, dtype=torch.int64, device=device)
+            # float64 on 8 warps spilled at the register ceiling with Triton 3.6 (python -m fgfw.triton.aot)
             _fw_blocks_kernel[(layout.slots,)](
                 layout.block_tensor, meta, schedule, coeffs, layout.block_factor, partial_d, partial_index,
                 partial_dot, partial_units, key_lo, key_hi, n_tangents, ALIGNED=aligned and layout.blocks_aligned,
-                ROWS=ROWS, num_warps=_BLOCK_WARPS, **kernel_args)
+                ROWS=ROWS, num_warps=2 * _BLOCK_WARPS if compute_dtype == tl.float64 else _BLOCK_WARPS,
+                **kernel_args)
+            # 8 warps: on 4 (8 slots a thread) Triton 3.6 spilled at the register ceiling
             _fw_finalize_kernel[(layout.n_long_balls,)](
                 layout.long_balls, layout.radii, layout.factors, layout.block_tensor, meta, schedule, partial_d,
                 partial_index, partial_dot, partial_units, ball_gap, PARAM_DTYPE=param_dtype,
-                COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=4, enable_fp_fusion=False)
+                COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=8, enable_fp_fusion=False,
+                maxnreg=_MAX_REGISTERS)
         if layout.n_balls > 1:
             _gap_sum_kernel[(1,)](ball_gap, gap, layout.n_balls, RBLOCK=_RBLOCK, num_warps=4)

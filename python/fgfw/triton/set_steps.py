@@ -68,8 +68,11 @@ _ELEMENTS_PER_THREAD = {LINF: 8, LP: 4, KSPARSE: 8}
 # in the Gaussian tangent) to 48-80 registers on sm_90 and spilled around the calls; with it they use at
 # most 93 and spill nothing (tests/test_triton_sets.py, Triton 3.6 and 3.8).
 _MAX_REGISTERS = 128
-# Partial slots reduced per step by the Lp finalize (and the gap sum).
+# Partial slots reduced per step by the gap sum and the feedback.
 _RBLOCK = 1024
+# ... and by the Lp finalize, whose powers call libdevice's exp and log: a [RB, CB] tile of 1024 float64 on 4 warps
+# spilled 48-96 bytes on sm_90 at the 128-register ceiling (python -m fgfw.triton.aot); 256 (2 per thread) do not.
+_FINALIZE_BLOCK = 256
 
 
 @triton.jit
@@ -149,7 +152,13 @@ def _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs,
     return d
 
 
-@triton.jit(do_not_specialize=["slot_base", "key_base", "key_lo", "key_hi", "n_tangents"])
+# Every integer but the row length n is bookkeeping (counts, bases into the workspaces, stream positions): not
+# specialised on (Triton compiles a variant per value of 1 and per divisibility by 16 otherwise, so a model's
+# tensors compiled dozens of variants of each pass). n keeps it: a multiple of 16 lets the row loads vectorise.
+_BOOKKEEPING = ["n_balls", "stream_base", "chunks"]
+
+
+@triton.jit(do_not_specialize=_BOOKKEEPING + ["slot_base", "key_base", "key_lo", "key_hi", "n_tangents"])
 def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_sum, keys, n_balls, n, stream_base,
                        chunks, slot_base, key_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr,
                        COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
@@ -176,7 +185,7 @@ def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_
         tl.store(keys + key_base + position, _magnitude_key(d, COMPUTE_DTYPE), mask=valid)
 
 
-@triton.jit(do_not_specialize=["slot_base", "stat_base"])
+@triton.jit(do_not_specialize=["n_balls", "chunks", "slot_base", "stat_base"])
 def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks, slot_base, stat_base,
                         Q: tl.constexpr, INV_Q: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
     """Per ball (chunks slots from slot_base + ball chunks): M = max m and ||x||_q = (sum S (m / M)^q)^(1/q),
@@ -206,7 +215,8 @@ def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks
     tl.store(ball_norm + stat_base + ball, norm, mask=live)
 
 
-@triton.jit(do_not_specialize=["slot_base", "ball_base", "stat_base", "pos_base", "key_lo", "key_hi", "n_tangents"])
+@triton.jit(do_not_specialize=_BOOKKEEPING + ["slot_base", "ball_base", "stat_base", "pos_base", "key_lo", "key_hi",
+                                                "n_tangents"])
 def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, factors, scales, gap_part, fb_stored,
                        fb_exact, stat_a, stat_b, n_balls, n, stream_base, chunks, slot_base, ball_base, stat_base,
                        pos_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
@@ -268,7 +278,7 @@ def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, f
             tl.store(fb_exact + slot, _capped_sum(tl.where(valid, _norm_units(exact, factor), 0), 1), mask=live)
 
 
-@triton.jit(do_not_specialize=["slot_base", "ball_base"])
+@triton.jit(do_not_specialize=["n_balls", "chunks", "slot_base", "ball_base"])
 def _feedback_kernel(fb_stored, fb_exact, radii, factors, scales, bound_times, n_balls, chunks, slot_base, ball_base,
                      P: tl.constexpr, INTEGER: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RB: tl.constexpr,
                      CB: tl.constexpr):
@@ -508,8 +518,8 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                 stat_a = torch.empty(plan.n_stats, dtype=torch.float64, device=device)
                 stat_b = torch.empty_like(stat_a)
                 for slot_base, balls, chunks, stat_base in plan.finalize:
-                    cb = min(_RBLOCK, triton.next_power_of_2(chunks))
-                    rb = _RBLOCK // cb
+                    cb = min(_FINALIZE_BLOCK, triton.next_power_of_2(chunks))
+                    rb = _FINALIZE_BLOCK // cb
                     _lp_finalize_kernel[(triton.cdiv(balls, rb),)](
                         part_max, part_sum, stat_a, stat_b, balls, chunks, slot_base, stat_base, Q=q, INV_Q=1.0 / q,
                         RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)

@@ -24,6 +24,15 @@ from .. import reference
 # is imported: TRITON_INTERPRET must be set before that.
 INTERPRET = triton.knobs.runtime.interpret
 
+# fgfw.triton.aot's compile-only mode: launches compile for a GPU target and return without running, so CPU
+# tensors stand for device tensors and the launchers take their GPU paths (see device_path).
+_COMPILE_ONLY = [False]
+
+
+def device_path(tensor: torch.Tensor) -> bool:
+    """Whether a launch for ``tensor`` takes the GPU path: a CUDA tensor, or any tensor in compile-only mode."""
+    return tensor.is_cuda or _COMPILE_ONLY[0]
+
 # Stream indices per program: 512 Philox calls of four words each.
 ROWS = 512
 BLOCK = 4 * ROWS
@@ -160,7 +169,7 @@ def fill_tangent_at_step_(out: torch.Tensor, seed: int, step: torch.Tensor, tang
     if step.dtype != torch.int64 or step.numel() != 1:
         raise ValueError(f"step must be an int64 tensor of one element (the step counter), got {step.dtype} of "
                          f"shape {tuple(step.shape)}")
-    if step.device.type == "cpu" or INTERPRET:
+    if (step.device.type == "cpu" and not _COMPILE_ONLY[0]) or INTERPRET:
         fill_tangent_(out, seed, int(step), tangent_id, offset, distribution)
     elif step.device != out.device:
         raise ValueError(f"step must be on {out.device} like out, or on the CPU, got {step.device}")
@@ -180,7 +189,7 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
         raise TypeError(f"out must be float32, float64, bfloat16 or float16, got {out.dtype}")
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    if not out.is_cuda and not INTERPRET:
+    if not device_path(out) and not INTERPRET:
         raise ValueError(f"the Triton backend runs on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
                          f"before importing fgfw.triton), got out on {out.device}")
     if out.numel() == 0:
