@@ -27,6 +27,12 @@
 # Every step runs under `timeout` with limit = min(its own, deadline - now - margin), where the deadline is
 # the command's budget from its start; a step with under 10 s left is skipped and said so. The summary's
 # last lines are the result tables, so the tool's output tail carries them.
+#
+# GPU_CHECK_DRY_RUN=1 (CI, no GPU): every step runs its CPU stand-in instead, so that a change that would break a
+# step on the GPU machine (an op's schema, a script's arguments, a test that no longer collects) breaks CI:
+# no sm_90 build (the installed fgfw is used), gaussian_roof.cu compiled but not run, the kernel benchmark's rows
+# on the CPU at 1e4, the GPU tests collected (not run), scripts/gpu_sanitize.py on the CPU kernels; memory.py and
+# the compile rows are left out (tests/test_bench_scripts.py runs both benchmarks on the CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
@@ -60,30 +66,29 @@ run() {
     return 124
   fi
   begin=$(date +%s)
-  if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
-    echo "dry run: timeout -k 5 $limit $*"
-    rc=0
-  else
-    timeout -k 5 "$limit" "$@"
-    rc=$?
-  fi
+  timeout -k 5 "$limit" "$@"
+  rc=$?
   say "== $name: exit $rc after $(($(date +%s) - begin)) s (limit ${limit} s)"
   [ "$rc" -eq 0 ] || status=1
   return "$rc"
 }
 
 # The GPU gate: without a visible GPU the Triton tests would run in the interpreter and the CUDA ones skip.
-# GPU_CHECK_DRY_RUN=1 (no GPU needed) prints each step's command and limit instead of running it.
-if [ -z "${GPU_CHECK_DRY_RUN:-}" ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+dry=${GPU_CHECK_DRY_RUN:-}
+device=cuda
+[ -n "$dry" ] && device=cpu
+if [ -z "$dry" ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   say "gpu_check: torch sees no GPU (torch.cuda.is_available() is False): nothing to check here"
   exit 3
 fi
 {
   date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  [ -n "$dry" ] && echo "gpu_check: dry run (GPU_CHECK_DRY_RUN): each step's CPU stand-in"
+  [ -n "$dry" ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, \
-'triton', triton.__version__, torch.cuda.get_device_name(), 'code', '${FGFW_CODE:-unknown}')"
-  nvcc --version | tail -1
+'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', \
+'code', '${FGFW_CODE:-unknown}')"
+  command -v nvcc >/dev/null && nvcc --version | tail -1
 } 2>&1 | tee -a "$summary"
 
 # The build, for sm_90 only, into .gpu/ (git-ignored, so a second command on the same machine finds it);
@@ -93,7 +98,10 @@ site=$root/.gpu/site
 stamp=$(cat CMakeLists.txt pyproject.toml $(find csrc python -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' \
   -o -name '*.cpp' -o -name '*.py' -o -name '*.in' \) | sort) | sha1sum | cut -c1-16)
 built=0
-if [ -f "$root/.gpu/stamp" ] && [ "$(cat "$root/.gpu/stamp")" = "$stamp" ]; then
+if [ -n "$dry" ]; then
+  say "== build: dry run, the installed fgfw ($(python3 -c 'import fgfw; print(fgfw.__file__)'))"
+  built=1
+elif [ -f "$root/.gpu/stamp" ] && [ "$(cat "$root/.gpu/stamp")" = "$stamp" ]; then
   say "== build: reusing .gpu/site (sources unchanged, hash $stamp)"
   built=1
 else
@@ -102,13 +110,13 @@ else
   if run build 170 env TORCH_CUDA_ARCH_LIST=9.0 FGFW_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
       python3 -m pip install -v --no-build-isolation --no-deps --upgrade --target "$site" \
       -C build-dir="$root/.gpu/build" . >"$out/build.log" 2>&1; then
-    [ -n "${GPU_CHECK_DRY_RUN:-}" ] || echo "$stamp" >"$root/.gpu/stamp"
+    echo "$stamp" >"$root/.gpu/stamp"
     built=1
   else
     tail -25 "$out/build.log" | tee -a "$summary"
   fi
 fi
-if [ "$built" -eq 1 ] && [ -z "${GPU_CHECK_DRY_RUN:-}" ]; then
+if [ "$built" -eq 1 ] && [ -z "$dry" ]; then
   export PYTHONPATH=$site
   python3 -c "import fgfw, torch; print('fgfw from', fgfw.__file__); \
 assert torch._C._dispatch_has_kernel_for_dispatch_key('fgfw::l1_fw_step_', 'CUDA'), 'no CUDA kernels'" \
@@ -121,16 +129,26 @@ if [ "$built" -eq 0 ]; then
 fi
 
 if [ "$phase" = key ]; then
-  bench=(python3 bench/kernel_bench.py --device cuda --min-time 0.2 --warmup 3)
-  if run "gaussian_roof build" 40 nvcc -O3 -std=c++17 -arch=sm_90 -I csrc bench/gaussian_roof.cu \
-      -o "$root/.gpu/gaussian_roof" >"$out/gaussian_roof.txt" 2>&1; then
+  bench=(python3 bench/kernel_bench.py --device "$device" --min-time 0.2 --warmup 3)
+  sizes=(1e6 1e8)
+  backends=copy,eager,fused,triton,compile
+  extra=(--mlp-rows --more-tangents 4)
+  if [ -n "$dry" ]; then
+    bench=(python3 bench/kernel_bench.py --device cpu --min-time 0 --warmup 1)
+    sizes=(1e4)
+    backends=copy,eager,fused
+    extra=(--model-width 0)
+  fi
+  mkdir -p "$root/.gpu"
+  if command -v nvcc >/dev/null && run "gaussian_roof build" 40 nvcc -O3 -std=c++17 -arch=sm_90 -I csrc \
+      bench/gaussian_roof.cu -o "$root/.gpu/gaussian_roof" >"$out/gaussian_roof.txt" 2>&1 && [ -z "$dry" ]; then
     for k in 1 4; do
       run "gaussian_roof K=$k" 30 "$root/.gpu/gaussian_roof" 1e8 "$k" >>"$out/gaussian_roof.txt" 2>&1
     done
   fi
   left=$((deadline - $(date +%s) - margin - 15))
-  run "kernel benchmark" 400 "${bench[@]}" --sizes 1e6 1e8 --modes afgfw fgfw fw --mlp-rows --more-tangents 4 \
-    --backends copy,eager,fused,triton,compile --compile-sizes 1e8 --compile-modes afgfw --deadline "$left" \
+  run "kernel benchmark" 400 "${bench[@]}" --sizes "${sizes[@]}" --modes afgfw fgfw fw "${extra[@]}" \
+    --backends "$backends" --compile-sizes 1e8 --compile-modes afgfw --deadline "$left" \
     --out "$out/kernel_gpu.csv" --figure "$out/kernel_gpu.png" >"$out/kernel_gpu.log" 2>&1
   grep -E "^(FAILED|WARNING|DEADLINE)" "$out/kernel_gpu.log" | tee -a "$summary"
   grep -E "^\|" "$out/gaussian_roof.txt" | tee -a "$summary"
@@ -148,6 +166,12 @@ else
     select="not triton"
     limit=140
     [ "$part" = triton ] && select="triton" && limit=145
+    if [ -n "$dry" ]; then  # collected, not run: the GPU tests must still import and select
+      run "tests ($part), collected" 120 python3 -m pytest --gpu-only -k "$select" --collect-only -q \
+        -p no:cacheprovider tests >"$out/tests_$part.log" 2>&1
+      grep -E "tests? collected|error" "$out/tests_$part.log" | tail -3 | tee -a "$summary"
+      continue
+    fi
     run "tests ($part)" "$limit" env FGFW_REQUIRE_EXTENSION="$built" FGFW_REQUIRE_CUDA_KERNELS="$built" \
       python3 -m pytest --gpu-only -k "$select" -v -rfEs "${xdist[@]}" "${per_test[@]}" -p no:cacheprovider \
       --durations 10 tests >"$out/tests_$part.log" 2>&1
@@ -157,9 +181,12 @@ else
 
   # compute-sanitizer refuses the device on some machines (gVisor): try it on a trivial program first
   : >"$out/sanitizer.log"
-  if [ -n "${GPU_CHECK_DRY_RUN:-}" ] || { [ "$built" -eq 1 ] && command -v compute-sanitizer >/dev/null && \
+  if [ -n "$dry" ]; then  # the sanitizer's script on the CPU kernels
+    run "gpu_sanitize.py on the CPU" 120 python3 scripts/gpu_sanitize.py --device cpu >>"$out/sanitizer.log" 2>&1
+    tail -3 "$out/sanitizer.log" | tee -a "$summary"
+  elif [ "$built" -eq 1 ] && command -v compute-sanitizer >/dev/null && \
       timeout 60 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -c \
-      "import torch; torch.ones(4, device='cuda').sum().item()" >>"$out/sanitizer.log" 2>&1; }; then
+      "import torch; torch.ones(4, device='cuda').sum().item()" >>"$out/sanitizer.log" 2>&1; then
     for tool in memcheck racecheck; do
       run "compute-sanitizer $tool" 30 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
         --error-exitcode 99 python3 scripts/gpu_sanitize.py >>"$out/sanitizer.log" 2>&1
@@ -172,11 +199,13 @@ else
   # if time is left: the memory headline (forward-gradient step against backprop, --quick), then the
   # torch.compile rows of FGFW and FW
   left=$((deadline - $(date +%s) - margin - 10))
+  [ -n "$dry" ] && left=0 && say "== memory and compile rows: dry run, left out"
   if [ "$left" -gt 30 ]; then
     run "memory (quick)" "$left" python3 bench/memory.py --device cuda --quick --out "$out/memory_gpu.csv" \
       >"$out/extra.log" 2>&1
   fi
   left=$((deadline - $(date +%s) - margin - 10))
+  [ -n "$dry" ] && left=0
   if [ "$left" -gt 40 ]; then
     run "compile rows" "$left" python3 bench/kernel_bench.py --device cuda --min-time 0.2 --sizes 1e8 \
       --modes fgfw fw --backends copy,eager,compile --model-width 0 --deadline $((left - 30)) \
