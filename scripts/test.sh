@@ -22,7 +22,10 @@ if [ -z "${FGFW_REQUIRE_CUDA_KERNELS:-}" ]; then
   fi
 fi
 export FGFW_REQUIRE_CUDA_KERNELS
-echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_KERNELS=$FGFW_REQUIRE_CUDA_KERNELS"
+# A test skipped here and not selected by --gpu-only (scripts/gpu_check.sh tests) would run nowhere: fail on it
+export FGFW_NO_SKIP_EVERYWHERE=${FGFW_NO_SKIP_EVERYWHERE:-1}
+echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_KERNELS=$FGFW_REQUIRE_CUDA_KERNELS" \
+  "FGFW_NO_SKIP_EVERYWHERE=$FGFW_NO_SKIP_EVERYWHERE"
 # The sources live under python/, so `import fgfw` here is the installed package with its compiled _C.
 status=0
 .venv/bin/python -m pytest -q -ra tests "$@" || status=$?

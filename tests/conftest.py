@@ -20,6 +20,10 @@ import pytest  # noqa: E402
 
 REQUIRE_EXTENSION = "FGFW_REQUIRE_EXTENSION"
 REQUIRE_CUDA_KERNELS = "FGFW_REQUIRE_CUDA_KERNELS"
+# scripts/test.sh sets it: a test skipped here that `--gpu-only` would not select either runs nowhere, so the
+# session fails and names it (a GPU test must say so: "cuda" or "triton" in its id, a GPU skip mark, or the gpu
+# mark; see needs_gpu)
+NO_SKIP_EVERYWHERE = "FGFW_NO_SKIP_EVERYWHERE"
 BUILD_COMMAND = "pip install --no-build-isolation -e . (or scripts/test.sh)"
 
 
@@ -91,7 +95,11 @@ def pytest_addoption(parser):
 
 
 def needs_gpu(item) -> bool:
-    """Whether a collected test exercises GPU code where a GPU is present (see --gpu-only)."""
+    """Whether a collected test exercises GPU code where a GPU is present (see --gpu-only). The cpu variants of
+    the GPU test files (a "device" parameter of "cpu") run in CI, not on the GPU machine."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "cpu":
+        return False
     name = item.nodeid.lower()
     if "cuda" in name or "triton" in name or "fgfw_cuda_ops" in getattr(item, "fixturenames", ()):
         return True
@@ -102,7 +110,12 @@ def needs_gpu(item) -> bool:
     return item.get_closest_marker("gpu") is not None
 
 
+_ITEMS: dict = {}  # nodeid -> collected item
+_SKIPPED: dict[str, str] = {}  # nodeid -> why it skipped
+
+
 def pytest_collection_modifyitems(config, items):
+    _ITEMS.update((item.nodeid, item) for item in items)
     if not config.getoption("--gpu-only"):
         return
     keep = [item for item in items if needs_gpu(item)]
@@ -124,7 +137,32 @@ def pytest_sessionstart(session):
         pytest.exit(f"fgfw: {failure}", returncode=pytest.ExitCode.TESTS_FAILED)
 
 
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        longrepr = report.longrepr
+        _SKIPPED[report.nodeid] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def skipped_everywhere() -> list[tuple[str, str]]:
+    """(nodeid, reason) of the tests this session skipped that `--gpu-only` does not select: they run nowhere."""
+    return [(nodeid, reason) for nodeid, reason in _SKIPPED.items()
+            if nodeid in _ITEMS and not needs_gpu(_ITEMS[nodeid])]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if (_flag(NO_SKIP_EVERYWHERE) and not session.config.getoption("--gpu-only") and skipped_everywhere()
+            and session.exitstatus == pytest.ExitCode.OK):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter):
+    everywhere = [] if terminalreporter.config.getoption("--gpu-only") else skipped_everywhere()
+    if everywhere:
+        verdict = "FAILED" if _flag(NO_SKIP_EVERYWHERE) else "warning"
+        terminalreporter.write_line(f"{verdict}: {len(everywhere)} skipped tests that --gpu-only does not select "
+                                    f"either, so they run nowhere ({NO_SKIP_EVERYWHERE}):")
+        for nodeid, reason in everywhere[:50]:
+            terminalreporter.write_line(f"  {nodeid}: {reason}")
     terminalreporter.write_line(backends_line())
 
 

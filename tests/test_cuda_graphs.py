@@ -2,8 +2,12 @@
 
 A step is capturable when it makes no host-to-device copy and reads nothing on the host: the step
 counter, the schedule (k, alpha_k, gamma_k) and the tangents' step live on the device and the step
-advances them itself, so each replay is the next step, not a repeat of the captured one. Needs a GPU.
+advances them itself, so each replay is the next step, not a repeat of the captured one. Needs a GPU, except
+test_eager_steps_advance_on_the_cpu: the eager half of the comparison, on the CPU kernels, so that the optimizers
+and the state this file reads are exercised without a GPU too.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +16,7 @@ from torch import nn
 import fgfw
 from fgfw import _ops
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 WARMUP, REPLAYS = 3, 5
 
@@ -24,14 +28,28 @@ SETS = {
 }
 
 
-def _model():
+def _model(device):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4)).cuda()
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
 
 
-def _batch():
+def _batch(device):
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(32, 12, generator=gen).cuda(), torch.randint(0, 4, (32,), generator=gen).cuda()
+    return torch.randn(32, 12, generator=gen).to(device), torch.randint(0, 4, (32,), generator=gen).to(device)
+
+
+@contextlib.contextmanager
+def _side_stream(device):
+    """Runs the body on a side stream the current one then waits for, as torch's graph docs ask of a warm-up; on the
+    CPU (no streams) as it is."""
+    if device != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def _afgfw(model, backend, constraint):
@@ -45,12 +63,12 @@ def _frank_wolfe(model, backend, constraint):
                            check_finite=False)
 
 
-def _trajectory(kind, backend, set_name, *, graphed):
-    """WARMUP eager steps, then REPLAYS more: eagerly, or as REPLAYS replays of a graph holding one step.
+def _trajectory(kind, backend, set_name, *, graphed, device):
+    """WARMUP eager steps, then REPLAYS more: eagerly, or as REPLAYS replays of a graph holding one step (on a GPU).
     Returns, after each of the REPLAYS steps, (parameters, gap, step counter)."""
-    model = _model()
+    model = _model(device)
     opt = (_afgfw if kind == "forward" else _frank_wolfe)(model, backend, SETS[set_name]())
-    x, y = _batch()
+    x, y = _batch(device)
 
     def step():
         if kind == "forward":
@@ -60,12 +78,9 @@ def _trajectory(kind, backend, set_name, *, graphed):
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's graph docs ask
+    with _side_stream(device):
         for _ in range(WARMUP):
             step()
-    torch.cuda.current_stream().wait_stream(side)
     graph = None
     if graphed:
         graph = torch.cuda.CUDAGraph()
@@ -74,21 +89,39 @@ def _trajectory(kind, backend, set_name, *, graphed):
     snapshots = []
     for _ in range(REPLAYS):
         graph.replay() if graphed else step()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         snapshots.append(([p.detach().clone() for p in model.parameters()], opt.last_gap.clone(),
                           int(opt._step_count_k)))
     return snapshots
 
 
 @pytest.mark.parametrize("set_name", sorted(SETS))
+@pytest.mark.parametrize("kind", ["forward", "backprop"])
+def test_eager_steps_advance_on_the_cpu(kind, set_name):
+    """The GPU-free half of test_replayed_steps_equal_eager_steps, on the compiled CPU kernels: the eager trajectory
+    that the replays are compared with, each step the next one."""
+    if not _ops.backend_available("cpu", torch.device("cpu")):
+        pytest.skip("backend cpu is not available here (fgfw._C is not built)")
+    eager = _trajectory(kind, "cpu", set_name, graphed=False, device="cpu")
+    start = [p.detach() for p in _model("cpu").parameters()]
+    for i, (_, gap, k) in enumerate(eager):
+        assert k == WARMUP + i + 1, f"step {i}: step counter {k}"
+        assert torch.isfinite(gap), f"step {i}: gap {gap}"
+    assert not torch.equal(eager[0][0][0], start[0])
+    assert not torch.equal(eager[-1][0][0], eager[-2][0][0])
+
+
+@gpu_only
+@pytest.mark.parametrize("set_name", sorted(SETS))
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("kind", ["forward", "backprop"])
 def test_replayed_steps_equal_eager_steps(kind, backend, set_name):
     if not _ops.backend_available(backend, torch.device("cuda")):
         pytest.skip(f"backend {backend} is not available here")
-    eager = _trajectory(kind, backend, set_name, graphed=False)
-    replayed = _trajectory(kind, backend, set_name, graphed=True)
-    start = [p.detach() for p in _model().parameters()]
+    eager = _trajectory(kind, backend, set_name, graphed=False, device="cuda")
+    replayed = _trajectory(kind, backend, set_name, graphed=True, device="cuda")
+    start = [p.detach() for p in _model("cuda").parameters()]
     for i, ((p_g, gap_g, k_g), (p_e, gap_e, k_e)) in enumerate(zip(replayed, eager)):
         # each replay is the next step, compared with the eager step of the same number
         assert k_g == k_e == WARMUP + i + 1, f"replay {i}: step counter {k_g}, eager {k_e}"
@@ -100,6 +133,7 @@ def test_replayed_steps_equal_eager_steps(kind, backend, set_name):
     assert not torch.equal(replayed[-1][0][0], replayed[-2][0][0])
 
 
+@gpu_only
 def test_triton_tables_of_a_captured_step_outlive_the_layout_cache():
     """A captured Triton step replays the addresses of its device tables: stepping eagerly over more layouts
     than the cache keeps (64) afterwards must not free them (they would be reused by other allocations)."""
@@ -150,16 +184,17 @@ def test_triton_tables_of_a_captured_step_outlive_the_layout_cache():
     torch.testing.assert_close(gap, eager_gap, rtol=0, atol=0)
 
 
+@gpu_only
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_a_captured_step_keeps_the_radius_it_was_captured_with(backend):
     """Documented (docs/fused_step.md, "CUDA graphs"): a graph replays the radii of its capture. Changing the
     constraint's radius afterwards changes eager steps, not replays: recapture to change a radius."""
     if not _ops.backend_available(backend, torch.device("cuda")):
         pytest.skip(f"backend {backend} is not available here")
-    model = _model()
+    model = _model("cuda")
     constraint = fgfw.LInfBall(radius=0.5)
     opt = _frank_wolfe(model, backend, constraint)
-    x, y = _batch()
+    x, y = _batch("cuda")
 
     def step():
         opt.zero_grad(set_to_none=False)

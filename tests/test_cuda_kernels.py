@@ -1,9 +1,13 @@
-"""The compiled CUDA l1_fw_step_ against fgfw.reference.l1_fw_step_ (and the CPU kernel) on identical inputs.
+"""The compiled l1_fw_step_ against fgfw.reference.l1_fw_step_ on identical inputs: the CUDA kernel, and the CPU
+kernel through the very same calls (the ops dispatch on the tensors' device), so that this file's calls, layouts
+and expected errors are exercised without a GPU too.
 
 The kernel rounds every operation as the reference does, so wherever no transcendental function is
 involved (backprop gradients, Rademacher tangents) parameters and momentum must agree bit for bit;
-Gaussian tangents use the GPU's log/sin/cos and are compared with a tolerance. The gap is a float64
-sum in another order, hence a relative tolerance. Skips without a GPU or without the CUDA kernels.
+Gaussian tangents use the kernel's log/sin/cos and are compared with a tolerance. The gap is a float64
+sum in another order, hence a relative tolerance. The cuda variants skip without a GPU or without the
+CUDA kernels; what needs a GPU by its nature (CUDA == CPU kernel, graph capture, streams, no host
+synchronisation) is GPU-only.
 """
 import math
 import random
@@ -21,7 +25,8 @@ from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHE
 CUDA = "cuda"
 
 
-def make_group(shapes, dtype, *, device=CUDA, **kwargs):
+def make_group(shapes, dtype, *, device, **kwargs):
+    # device is required here: kernel_cases' default (the CPU) would quietly take a cuda variant off the GPU
     return kernel_cases.make_group(shapes, dtype, device=device, **kwargs)
 
 
@@ -31,6 +36,15 @@ def cuda_ops(fgfw_cuda_ops):
     if not torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CUDA"):
         pytest.skip("fgfw._C has no CUDA l1_fw_step_ (built without csrc/cuda/fw_step.cu)")
     return fgfw_cuda_ops
+
+
+@pytest.fixture(scope="session", params=["cpu", CUDA])
+def device(request, fgfw_ops):
+    """The device whose kernels a test runs (torch.ops.fgfw dispatches on the tensors' device): the CPU's
+    everywhere, CUDA's where cuda_ops does not skip."""
+    if request.param == CUDA:
+        request.getfixturevalue("cuda_ops")
+    return request.param
 
 
 def realistic_shapes(width=64, layers=16):
@@ -47,25 +61,29 @@ def realistic_shapes(width=64, layers=16):
 @pytest.mark.parametrize("coeffs", [(0.7,), (0.7, -1.3, 0.25)])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-def test_forward_gradient_matches_reference(cuda_ops, dtype, distribution, coeffs, momentum, global_ball):
-    check_forward_gradient(cuda_ops, CUDA, dtype, distribution, coeffs, momentum, global_ball)
+def test_forward_gradient_matches_reference(fgfw_ops, device, dtype, distribution, coeffs, momentum, global_ball):
+    check_forward_gradient(fgfw_ops, device, dtype, distribution, coeffs, momentum, global_ball)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-def test_backprop_gradient_matches_reference(cuda_ops, dtype, momentum, global_ball):
-    check_backprop_gradient(cuda_ops, CUDA, dtype, momentum, global_ball)
+def test_backprop_gradient_matches_reference(fgfw_ops, device, dtype, momentum, global_ball):
+    check_backprop_gradient(fgfw_ops, device, dtype, momentum, global_ball)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-@pytest.mark.parametrize("numel", [1, 7, 4096, 1_000_003])
-def test_sizes_match_reference(cuda_ops, numel, dtype, distribution, global_ball):
+@pytest.mark.parametrize("numel", [1, 7, 4096, "large"])
+def test_sizes_match_reference(fgfw_ops, device, numel, dtype, distribution, global_ball):
+    # "large" is 1_000_003 elements on the GPU, 100_003 (7 segments of the CPU kernel) on the CPU: a million
+    # through the pure-torch reference, 16 times, would take half a minute of CI's two cores
+    if numel == "large":
+        numel = 1_000_003 if device == CUDA else 100_003
     # a second tensor whose stream starts mid-call (offset % 4 == numel % 4) follows the first
-    params, moms, _ = make_group([(numel,), (37,)], dtype, momentum=True, grads=False, seed=numel)
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.9, -0.2), global_ball=global_ball,
+    params, moms, _ = make_group([(numel,), (37,)], dtype, momentum=True, grads=False, seed=numel, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.9, -0.2), global_ball=global_ball,
                              distribution=distribution)
     if distribution == RADEMACHER:
         assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
@@ -75,36 +93,39 @@ def test_sizes_match_reference(cuda_ops, numel, dtype, distribution, global_ball
 
 @pytest.mark.parametrize("global_ball", [False, True])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
-def test_realistic_model_shapes(cuda_ops, distribution, global_ball):
-    params, moms, _ = make_group(realistic_shapes(), torch.float32, momentum=True, grads=False, seed=4)
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(1.1, -0.4), global_ball=global_ball,
+def test_realistic_model_shapes(fgfw_ops, device, distribution, global_ball):
+    params, moms, _ = make_group(realistic_shapes(), torch.float32, momentum=True, grads=False, seed=4, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(1.1, -0.4), global_ball=global_ball,
                              distribution=distribution)
     tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL
     assert_same_step(expected, got, tol, gap_rtol=1e-7 if distribution == RADEMACHER else 1e-5)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
-def test_more_tensors_than_one_launch_holds(cuda_ops, global_ball):
+def test_more_tensors_than_one_launch_holds(fgfw_ops, device, global_ball):
     # 600 tensors take three chunk launches (256 rows each) and one finalize
     rng = random.Random(1)
     shapes = [(rng.randint(1, 300),) for _ in range(600)]
-    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=5)
-    expected, got = run_both(cuda_ops, params, moms, grads, global_ball=global_ball, offsets=[])
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=5, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
-    params, moms, _ = make_group(shapes, torch.bfloat16, momentum=False, grads=False, seed=6)
-    expected, got = run_both(cuda_ops, params, moms, [], global_ball=global_ball, distribution=RADEMACHER)
+    params, moms, _ = make_group(shapes, torch.bfloat16, momentum=False, grads=False, seed=6, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], global_ball=global_ball, distribution=RADEMACHER)
     assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
 
 
-def test_one_huge_tensor(cuda_ops):
-    params, moms, _ = make_group([(2**26 + 5,)], torch.float32, momentum=True, grads=False, seed=7)
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.3,), distribution=RADEMACHER, offsets=[2])
+def test_one_huge_tensor(fgfw_ops, device):
+    # the CPU variant at 2^22 + 5 elements (257 segments of the CPU kernel): 2^26 through the
+    # pure-torch reference takes too long on CI's two cores
+    numel = 2**26 + 5 if device == CUDA else 2**22 + 5
+    params, moms, _ = make_group([(numel,)], torch.float32, momentum=True, grads=False, seed=7, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.3,), distribution=RADEMACHER, offsets=[2])
     assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-def test_unaligned_views_and_stream_offsets(cuda_ops, dtype, distribution):
+def test_unaligned_views_and_stream_offsets(fgfw_ops, device, dtype, distribution):
     # params, momentum and grads are views into flat buffers at every address alignment, and each
     # tensor's stream starts at every phase of a Philox call. A row takes the 16-byte path only when
     # every list's address minus its lead is aligned: params and momentum share their shift, so
@@ -116,7 +137,7 @@ def test_unaligned_views_and_stream_offsets(cuda_ops, dtype, distribution):
     buffers = [torch.randn(sum(sizes) + 8, generator=gen, dtype=torch.float64) for _ in range(3)]
 
     def views(buffer, out_dtype, shift, scale=1.0):
-        buffer = (scale * buffer).to(out_dtype).to(CUDA)
+        buffer = (scale * buffer).to(out_dtype).to(device)
         out, start = [], shift
         for s in sizes:
             out.append(buffer[start:start + s])
@@ -126,20 +147,20 @@ def test_unaligned_views_and_stream_offsets(cuda_ops, dtype, distribution):
     params = views(buffers[0], dtype, 1, scale=0.1)
     moms = views(buffers[1], cdt, 1)
     offsets = [1, 5002, 10_003, 20_000, 31_001]
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.5, 0.25), offsets=offsets,
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.5, 0.25), offsets=offsets,
                              distribution=distribution)
     tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL
     assert_same_step(expected, got, tol, gap_rtol=1e-7 if distribution == RADEMACHER else 1e-5)
     grads = views(buffers[2], dtype, 3)
-    expected, got = run_both(cuda_ops, params, moms, grads, offsets=offsets)
+    expected, got = run_both(fgfw_ops, params, moms, grads, offsets=offsets)
     assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
 
 
-def test_ties_lowest_index_wins_per_tensor(cuda_ops):
-    params = [torch.full((6,), 0.5, device=CUDA), torch.full((4,), -0.25, device=CUDA)]
-    grads = [torch.tensor([0.1, -0.5, 0.2, 0.5, -0.5, 0.0], device=CUDA),
-             torch.tensor([0.0, 0.3, -0.3, 0.3], device=CUDA)]
-    expected, got = run_both(cuda_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0], offsets=[])
+def test_ties_lowest_index_wins_per_tensor(fgfw_ops, device):
+    params = [torch.full((6,), 0.5, device=device), torch.full((4,), -0.25, device=device)]
+    grads = [torch.tensor([0.1, -0.5, 0.2, 0.5, -0.5, 0.0], device=device),
+             torch.tensor([0.0, 0.3, -0.3, 0.3], device=device)]
+    expected, got = run_both(fgfw_ops, params, [], grads, schedule=(1, 0.5, 1.0), radii=[1.0, 2.0], offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = [p.cpu() for p in got[0]]
     # every value here is exact in float32: the step is the exact (1 - alpha) theta + alpha s
@@ -149,10 +170,10 @@ def test_ties_lowest_index_wins_per_tensor(cuda_ops):
     assert torch.equal(theta[0], expected0) and torch.equal(theta[1], expected1)
 
 
-def test_ties_across_tensors_first_tensor_wins_in_global_ball(cuda_ops):
-    params = [torch.zeros(3, device=CUDA), torch.zeros(2, 2, device=CUDA), torch.zeros(3, device=CUDA)]
+def test_ties_across_tensors_first_tensor_wins_in_global_ball(fgfw_ops, device):
+    params = [torch.zeros(3, device=device), torch.zeros(2, 2, device=device), torch.zeros(3, device=device)]
     grads = [torch.tensor([0.1, 0.2, 0.5]), torch.tensor([[-0.5, 0.5], [0.0, 0.5]]), torch.tensor([0.5, 0.0, 0.0])]
-    expected, got = run_both(cuda_ops, params, [], [g.to(CUDA) for g in grads], schedule=(1, 1.0, 1.0),
+    expected, got = run_both(fgfw_ops, params, [], [g.to(device) for g in grads], schedule=(1, 1.0, 1.0),
                              global_ball=True, radii=[3.0], offsets=[])
     assert_same_step(expected, got, EXACT)
     theta = [p.cpu() for p in got[0]]
@@ -162,12 +183,12 @@ def test_ties_across_tensors_first_tensor_wins_in_global_ball(cuda_ops):
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
-def test_rademacher_everywhere_tied_picks_first_element(cuda_ops, global_ball):
+def test_rademacher_everywhere_tied_picks_first_element(fgfw_ops, device, global_ball):
     # |d| = |c| everywhere: ties between threads, blocks, chunks, tensors and launches
-    params = [torch.zeros(3_000_001, device=CUDA), torch.zeros(17, device=CUDA)] + \
-             [torch.zeros(5, device=CUDA) for _ in range(300)]
+    params = [torch.zeros(3_000_001, device=device), torch.zeros(17, device=device)] + \
+             [torch.zeros(5, device=device) for _ in range(300)]
     radii = [1.0] if global_ball else [1.0] * len(params)
-    expected, got = run_both(cuda_ops, params, [], [], schedule=(3, 1.0, 1.0), coeffs=(0.5,), radii=radii,
+    expected, got = run_both(fgfw_ops, params, [], [], schedule=(3, 1.0, 1.0), coeffs=(0.5,), radii=radii,
                              global_ball=global_ball, distribution=RADEMACHER)
     assert_same_step(expected, got, EXACT)
     theta = got[0]
@@ -176,32 +197,32 @@ def test_rademacher_everywhere_tied_picks_first_element(cuda_ops, global_ball):
         assert p.count_nonzero() == (0 if global_ball else 1) and (global_ball or p[0] != 0)
 
 
-def test_nan_direction_matches_reference(cuda_ops):
+def test_nan_direction_matches_reference(fgfw_ops, device):
     # NaN is the largest |d| (torch.argmax's rule) and has sign 0 (torch.sign's): theta is only scaled
-    params = [torch.tensor([0.1, 0.2, 0.3], device=CUDA), torch.tensor([0.4, 0.5], device=CUDA)]
-    grads = [torch.tensor([1.0, float("nan"), 2.0], device=CUDA), torch.tensor([float("nan"), 9.0], device=CUDA)]
+    params = [torch.tensor([0.1, 0.2, 0.3], device=device), torch.tensor([0.4, 0.5], device=device)]
+    grads = [torch.tensor([1.0, float("nan"), 2.0], device=device), torch.tensor([float("nan"), 9.0], device=device)]
     for global_ball in (False, True):
-        expected, got = run_both(cuda_ops, params, [], grads, global_ball=global_ball, offsets=[])
+        expected, got = run_both(fgfw_ops, params, [], grads, global_ball=global_ball, offsets=[])
         assert_same_step(expected, got, EXACT)
         assert torch.isnan(got[2])
 
 
-def test_single_element_and_empty_tensors(cuda_ops):
-    params = [torch.tensor([0.3], device=CUDA), torch.empty(0, device=CUDA), torch.tensor([[-0.2]], device=CUDA)]
-    moms = [torch.tensor([0.1], device=CUDA), torch.empty(0, device=CUDA), torch.tensor([[0.0]], device=CUDA)]
+def test_single_element_and_empty_tensors(fgfw_ops, device):
+    params = [torch.tensor([0.3], device=device), torch.empty(0, device=device), torch.tensor([[-0.2]], device=device)]
+    moms = [torch.tensor([0.1], device=device), torch.empty(0, device=device), torch.tensor([[0.0]], device=device)]
     for global_ball in (False, True):
-        expected, got = run_both(cuda_ops, params, moms, [], global_ball=global_ball, distribution=RADEMACHER)
+        expected, got = run_both(fgfw_ops, params, moms, [], global_ball=global_ball, distribution=RADEMACHER)
         assert_same_step(expected, got, EXACT)
-    empty = [torch.empty(0, device=CUDA), torch.empty(0, 3, device=CUDA)]
+    empty = [torch.empty(0, device=device), torch.empty(0, 3, device=device)]
     for global_ball in (False, True):
-        expected, got = run_both(cuda_ops, empty, [], [], global_ball=global_ball)
+        expected, got = run_both(fgfw_ops, empty, [], [], global_ball=global_ball)
         assert got[2].item() == 0.0
 
 
-def test_empty_group_writes_zero_gap(cuda_ops):
-    gap = torch.full((), float("nan"), dtype=torch.float64, device=CUDA)
-    cuda_ops.l1_fw_step_([], [], [], torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=CUDA),
-                         torch.tensor([1.0], dtype=torch.float64, device=CUDA), [], False, [], 0, GAUSSIAN, gap)
+def test_empty_group_writes_zero_gap(fgfw_ops, device):
+    gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
+    fgfw_ops.l1_fw_step_([], [], [], torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=device),
+                         torch.tensor([1.0], dtype=torch.float64, device=device), [], False, [], 0, GAUSSIAN, gap)
     assert gap.item() == 0.0
 
 
@@ -222,27 +243,27 @@ def test_cuda_equals_cpu_kernel(cuda_ops, dtype, distribution, global_ball):
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_regenerated_tangents_equal_materialised_ones(cuda_ops, dtype, distribution, momentum):
-    # The update kernel regenerates u in registers; fill_tangent_ (CUDA) writes it to memory for the
-    # JVP. Feeding g = sum_k c_k u_k, built from the materialised u with the kernel's roundings, to
+def test_regenerated_tangents_equal_materialised_ones(fgfw_ops, device, dtype, distribution, momentum):
+    # The update kernel regenerates u in registers; fill_tangent_ (on the same device) writes it to memory
+    # for the JVP. Feeding g = sum_k c_k u_k, built from the materialised u with the kernel's roundings, to
     # the backprop path must give the very same step, bit for bit, Gaussian tangents included.
     shapes = [(10_007,), (33, 3), (2,)]
-    params, moms, _ = make_group(shapes, dtype, momentum=momentum, grads=False, seed=10)
+    params, moms, _ = make_group(shapes, dtype, momentum=momentum, grads=False, seed=10, device=device)
     offsets, seed, step, coeffs = [3, 10_011, 20_000], 77, 5, (0.6, -1.7)
     cdt = ref.compute_dtype(dtype)
     grads = []
     for p, offset in zip(params, offsets):
         g = None
         for k, c in enumerate(coeffs):
-            u = torch.empty(p.shape, dtype=torch.float32, device=CUDA)
-            cuda_ops.fill_tangent_(u, seed, step, k, offset, distribution)
-            term = torch.tensor(c, dtype=torch.float64).to(cdt).to(CUDA) * u.to(cdt)
+            u = torch.empty(p.shape, dtype=torch.float32, device=device)
+            fgfw_ops.fill_tangent_(u, seed, step, k, offset, distribution)
+            term = torch.tensor(c, dtype=torch.float64).to(cdt).to(device) * u.to(cdt)
             g = term if g is None else g + term
         grads.append(g.to(dtype))
     kwargs = dict(schedule=(step, 0.1, 0.4), coeffs=coeffs, radii=[1.0, 2.0, 3.0], global_ball=False, offsets=offsets,
                   seed=seed, distribution=distribution)
-    regenerated = run_step(cuda_ops.l1_fw_step_, params, moms, [], **kwargs)
-    materialised = run_step(cuda_ops.l1_fw_step_, params, moms, grads, **kwargs)
+    regenerated = run_step(fgfw_ops.l1_fw_step_, params, moms, [], **kwargs)
+    materialised = run_step(fgfw_ops.l1_fw_step_, params, moms, grads, **kwargs)
     assert_same_step(materialised, regenerated, EXACT, gap_rtol=0)
     assert_same_step(run_step(ref.l1_fw_step_, params, moms, grads, **kwargs), regenerated, EXACT)
 
@@ -250,7 +271,7 @@ def test_regenerated_tangents_equal_materialised_ones(cuda_ops, dtype, distribut
 @pytest.mark.parametrize("global_ball", [False, True])
 def test_cuda_graph_replay_equals_eager(cuda_ops, global_ball):
     params, moms, _ = make_group(realistic_shapes(width=32, layers=4), torch.float32, momentum=True, grads=False,
-                                 seed=11)
+                                 seed=11, device=CUDA)
     offsets = flat_offsets(params)
     radii = [5.0] if global_ball else [1.0] * len(params)
     schedules = [(k, 2.0 / (k + 2), min(1.0, 4.0 / (k + 3))) for k in range(1, 5)]
@@ -291,7 +312,7 @@ def test_cuda_graph_replay_equals_eager(cuda_ops, global_ball):
 @pytest.mark.parametrize("grads", [False, True])
 def test_step_never_synchronises(cuda_ops, grads):
     params, moms, grad_list = make_group(realistic_shapes(width=16, layers=2), torch.bfloat16, momentum=True,
-                                         grads=grads, seed=12)
+                                         grads=grads, seed=12, device=CUDA)
     schedule = torch.tensor([3.0, 0.1, 0.5], dtype=torch.float64, device=CUDA)
     coeffs = torch.tensor([0.5, 0.25], dtype=torch.float64, device=CUDA)
     gap = torch.empty((), dtype=torch.float64, device=CUDA)
@@ -307,28 +328,32 @@ def test_step_never_synchronises(cuda_ops, grads):
     torch.cuda.synchronize()
 
 
-def test_bad_arguments_are_named(cuda_ops):
-    params = [torch.zeros(4, device=CUDA)]
-    schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=CUDA)
-    coeffs = torch.ones(1, dtype=torch.float64, device=CUDA)
-    gap = torch.zeros((), dtype=torch.float64, device=CUDA)
+def test_bad_arguments_are_named(fgfw_ops, device):
+    params = [torch.zeros(4, device=device)]
+    schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=device)
+    coeffs = torch.ones(1, dtype=torch.float64, device=device)
+    gap = torch.zeros((), dtype=torch.float64, device=device)
     with pytest.raises(RuntimeError, match=r"radii\[0\]"):
-        cuda_ops.l1_fw_step_(params, [], [], schedule, coeffs, [0.0], False, [0], 0, GAUSSIAN, gap)
+        fgfw_ops.l1_fw_step_(params, [], [], schedule, coeffs, [0.0], False, [0], 0, GAUSSIAN, gap)
+    # on the GPU the momentum and schedule are on the wrong device; the CPU has no other device, so there they
+    # have the wrong dtype (the same argument check names them)
+    bad_momentum = torch.zeros(4) if device == CUDA else torch.zeros(4, dtype=torch.float64)
+    bad_schedule = schedule.cpu() if device == CUDA else schedule.float()
     with pytest.raises(RuntimeError, match=r"momentum\[0\]"):
-        cuda_ops.l1_fw_step_(params, [torch.zeros(4)], [], schedule, coeffs, [1.0], False, [0], 0, GAUSSIAN, gap)
+        fgfw_ops.l1_fw_step_(params, [bad_momentum], [], schedule, coeffs, [1.0], False, [0], 0, GAUSSIAN, gap)
     with pytest.raises(RuntimeError, match="schedule"):
-        cuda_ops.l1_fw_step_(params, [], [], schedule.cpu(), coeffs, [1.0], False, [0], 0, GAUSSIAN, gap)
+        fgfw_ops.l1_fw_step_(params, [], [], bad_schedule, coeffs, [1.0], False, [0], 0, GAUSSIAN, gap)
 
 
 @pytest.mark.parametrize("global_ball", [False, True])
-def test_inf_and_nan_far_into_a_large_tensor(cuda_ops, global_ball):
-    params, _, grads = make_group([(70_001,), (9,)], torch.float32, momentum=False, grads=True, seed=13)
+def test_inf_and_nan_far_into_a_large_tensor(fgfw_ops, device, global_ball):
+    params, _, grads = make_group([(70_001,), (9,)], torch.float32, momentum=False, grads=True, seed=13, device=device)
     grads[0][20_000] = float("inf")
-    expected, got = run_both(cuda_ops, params, [], grads, global_ball=global_ball, offsets=[])
+    expected, got = run_both(fgfw_ops, params, [], grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT, gap_rtol=1e-7)
     grads[0][50_001] = float("nan")
     grads[0][60_000] = float("nan")
-    expected, got = run_both(cuda_ops, params, [], grads, global_ball=global_ball, offsets=[])
+    expected, got = run_both(fgfw_ops, params, [], grads, global_ball=global_ball, offsets=[])
     assert_same_step(expected, got, EXACT)
 
 
@@ -348,8 +373,8 @@ def num_row_balls(shapes, row_numel):
 @pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", PARAM_DTYPES)
-def test_row_balls_match_reference(cuda_ops, dtype, distribution, momentum, grads):
-    check_row_balls(cuda_ops, CUDA, dtype, distribution, momentum, grads)
+def test_row_balls_match_reference(fgfw_ops, device, dtype, distribution, momentum, grads):
+    check_row_balls(fgfw_ops, device, dtype, distribution, momentum, grads)
 
 
 def random_row_layout(rng, count):
@@ -370,7 +395,7 @@ def random_row_layout(rng, count):
 
 
 @pytest.mark.parametrize("per_row_radii", [False, True])
-def test_many_row_balls_over_several_rows_launches(cuda_ops, per_row_radii):
+def test_many_row_balls_over_several_rows_launches(fgfw_ops, device, per_row_radii):
     # 600 tensors (about 1,300 balls) fill three tables of the rows kernel; tensors 100 and 400 have
     # balls longer than a warp's and take the chunks path in between. Streams start at every phase.
     rng = random.Random(3)
@@ -379,24 +404,24 @@ def test_many_row_balls_over_several_rows_launches(cuda_ops, per_row_radii):
     shapes[400], row_numel[400] = (WARP_BALL + 1,), 0
     balls = num_row_balls(shapes, row_numel)
     radii = row_radii(shapes, row_numel) if per_row_radii else [1.5] * balls
-    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=21)
-    expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=21, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
     assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
-    params, moms, _ = make_group(shapes, torch.bfloat16, momentum=False, grads=False, seed=22)
-    expected, got = run_both(cuda_ops, params, moms, [], radii=radii, distribution=RADEMACHER, row_numel=row_numel)
+    params, moms, _ = make_group(shapes, torch.bfloat16, momentum=False, grads=False, seed=22, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], radii=radii, distribution=RADEMACHER, row_numel=row_numel)
     assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_row_balls_at_the_warp_ball_limit(cuda_ops, dtype, distribution):
+def test_row_balls_at_the_warp_ball_limit(fgfw_ops, device, dtype, distribution):
     # rows and whole tensors of WARP_BALL elements take the rows kernel, one more element the chunks
     # path; every tensor's stream starts at another phase of a Philox call, so rows start mid-call
     shapes = [(3, WARP_BALL), (2, WARP_BALL + 1), (WARP_BALL,), (WARP_BALL + 1,), (5, 7)]
     row_numel = [WARP_BALL, WARP_BALL + 1, 0, 0, 7]
     offsets = [1, 3 * WARP_BALL + 6, 5 * WARP_BALL + 11, 6 * WARP_BALL + 13, 8 * WARP_BALL]
-    params, moms, _ = make_group(shapes, dtype, momentum=True, grads=False, seed=23)
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.6, -0.4), radii=row_radii(shapes, row_numel),
+    params, moms, _ = make_group(shapes, dtype, momentum=True, grads=False, seed=23, device=device)
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.6, -0.4), radii=row_radii(shapes, row_numel),
                              offsets=offsets, distribution=distribution, row_numel=row_numel)
     if distribution == RADEMACHER:
         assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
@@ -404,21 +429,21 @@ def test_row_balls_at_the_warp_ball_limit(cuda_ops, dtype, distribution):
         assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
 
 
-def test_mlp_rows_match_reference(cuda_ops):
+def test_mlp_rows_match_reference(fgfw_ops, device):
     # three layers of the 12 x 1024 benchmark MLP: 3,075 balls of 1,024 elements, all on the rows kernel
     shapes = [s for _ in range(3) for s in ((1024, 1024), (1024,))]
     row_numel = [1024, 0] * 3
-    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=24)
+    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=24, device=device)
     offsets = flat_offsets(params)
     for distribution, tol, gap_rtol in ((RADEMACHER, EXACT, 1e-12), (GAUSSIAN, GAUSSIAN_TOL, 1e-5)):
-        expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.9,), radii=[1.0] * 3075, offsets=offsets,
+        expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.9,), radii=[1.0] * 3075, offsets=offsets,
                                  distribution=distribution, row_numel=row_numel)
         assert_same_step(expected, got, tol, gap_rtol=gap_rtol)
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_balls_on_unaligned_views(cuda_ops, dtype, distribution):
+def test_row_balls_on_unaligned_views(fgfw_ops, device, dtype, distribution):
     # params and momentum are views at an odd element shift, grads at another: rows take the scalar
     # path, with streams starting at every phase
     shapes, row_numel = [(9, 33), (4, 100), (2, 5000), (70,)], [33, 100, 5000, 0]
@@ -429,30 +454,30 @@ def test_row_balls_on_unaligned_views(cuda_ops, dtype, distribution):
         out = []
         for s in shapes:
             n = math.prod(s)
-            buffer = (scale * torch.randn(n + shift, generator=gen, dtype=torch.float64)).to(out_dtype).to(CUDA)
+            buffer = (scale * torch.randn(n + shift, generator=gen, dtype=torch.float64)).to(out_dtype).to(device)
             out.append(buffer[shift:].view(s))
         return out
 
     params, moms, grads = views(dtype, 1, scale=0.1), views(cdt, 1), views(dtype, 3)
     radii = row_radii(shapes, row_numel)
     offsets = [3, 400, 1001, 11_002]
-    expected, got = run_both(cuda_ops, params, moms, [], coeffs=(0.5, 0.25), radii=radii, offsets=offsets,
+    expected, got = run_both(fgfw_ops, params, moms, [], coeffs=(0.5, 0.25), radii=radii, offsets=offsets,
                              distribution=distribution, row_numel=row_numel)
     tol = EXACT if distribution == RADEMACHER else GAUSSIAN_TOL
     assert_same_step(expected, got, tol, gap_rtol=1e-12 if distribution == RADEMACHER else 1e-5)
-    expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+    expected, got = run_both(fgfw_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
     assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
 
 
-def test_row_balls_tie_lowest_index_of_each_row(cuda_ops):
+def test_row_balls_tie_lowest_index_of_each_row(fgfw_ops, device):
     # ties within rows of 4 (one lane), and in rows of 300 between lanes: element 130 (lane 0) and 5
     # (lane 1) tie in row 0, elements 37 and 290 in row 1; the lowest index wins each time
-    params = [torch.full((3, 4), 0.01, device=CUDA), torch.zeros(2, 300, device=CUDA)]
+    params = [torch.full((3, 4), 0.01, device=device), torch.zeros(2, 300, device=device)]
     wide = torch.zeros(2, 300)
     wide[0, 130], wide[0, 5], wide[0, 7] = 1.0, -1.0, 0.5
     wide[1, 290], wide[1, 37], wide[1, 36] = 2.0, 2.0, -1.0
     grads = [torch.tensor([[1.0, -1.0, 1.0, 1.0], [-2.0, 2.0, 2.0, -2.0], [0.5, 0.5, -0.5, 0.5]]), wide]
-    expected, got = run_both(cuda_ops, params, [], [g.to(CUDA) for g in grads], schedule=(1, 0.5, 1.0),
+    expected, got = run_both(fgfw_ops, params, [], [g.to(device) for g in grads], schedule=(1, 0.5, 1.0),
                              radii=[1.0, 2.0, 3.0, 4.0, 5.0], offsets=[], row_numel=[4, 300])
     assert_same_step(expected, got, EXACT)
     assert got[0][0][:, 0].tolist() == pytest.approx([0.005 - 0.5, 0.005 + 1.0, 0.005 - 1.5], rel=1e-6)
@@ -463,13 +488,13 @@ def test_row_balls_tie_lowest_index_of_each_row(cuda_ops):
 
 
 @pytest.mark.parametrize("momentum", [False, True])
-def test_rademacher_rows_everywhere_tied_pick_each_rows_first_element(cuda_ops, momentum):
+def test_rademacher_rows_everywhere_tied_pick_each_rows_first_element(fgfw_ops, device, momentum):
     # |d| = |c gamma| everywhere: ties between the lanes of a warp, and between the chunks of long rows
     shapes, row_numel = [(40, 7), (3, 1000), (2, 9000), (33,)], [7, 1000, 9000, 0]
-    params = [torch.zeros(s, device=CUDA) for s in shapes]
-    moms = [torch.zeros(s, device=CUDA) for s in shapes] if momentum else []
+    params = [torch.zeros(s, device=device) for s in shapes]
+    moms = [torch.zeros(s, device=device) for s in shapes] if momentum else []
     balls = num_row_balls(shapes, row_numel)
-    expected, got = run_both(cuda_ops, params, moms, [], schedule=(3, 1.0, 0.5), coeffs=(0.5,), radii=[1.0] * balls,
+    expected, got = run_both(fgfw_ops, params, moms, [], schedule=(3, 1.0, 0.5), coeffs=(0.5,), radii=[1.0] * balls,
                              distribution=RADEMACHER, row_numel=row_numel)
     assert_same_step(expected, got, EXACT)
     for p, n in zip(got[0], row_numel):
@@ -477,20 +502,21 @@ def test_rademacher_rows_everywhere_tied_pick_each_rows_first_element(cuda_ops, 
         assert (rows[:, 0] != 0).all() and rows[:, 1:].count_nonzero() == 0
 
 
-def test_nan_and_inf_in_rows_match_reference(cuda_ops):
+def test_nan_and_inf_in_rows_match_reference(fgfw_ops, device):
     # NaN is the largest |d| of its row and has sign 0: that row is only scaled, the gap is NaN;
     # an inf wins its row; the other rows are untouched by either
-    params, _, grads = make_group([(4, 50), (2, 5000), (9,)], torch.float32, momentum=False, grads=True, seed=26)
+    params, _, grads = make_group([(4, 50), (2, 5000), (9,)], torch.float32, momentum=False, grads=True, seed=26,
+                                   device=device)
     grads[0][1, 10] = grads[0][1, 40] = float("nan")
     grads[0][2, 3] = float("inf")
     grads[1][0, 4500] = float("nan")
-    expected, got = run_both(cuda_ops, params, [], grads, radii=[1.0 + b for b in range(7)], offsets=[],
+    expected, got = run_both(fgfw_ops, params, [], grads, radii=[1.0 + b for b in range(7)], offsets=[],
                              row_numel=[50, 5000, 0])
     assert_same_step(expected, got, EXACT)
     assert torch.isnan(got[2])
-    params, _, grads = make_group([(4, 50)], torch.float32, momentum=False, grads=True, seed=27)
+    params, _, grads = make_group([(4, 50)], torch.float32, momentum=False, grads=True, seed=27, device=device)
     grads[0][2, 3] = float("-inf")
-    expected, got = run_both(cuda_ops, params, [], grads, radii=[1.0, 2.0, 3.0, 4.0], offsets=[], row_numel=[50])
+    expected, got = run_both(fgfw_ops, params, [], grads, radii=[1.0, 2.0, 3.0, 4.0], offsets=[], row_numel=[50])
     assert_same_step(expected, got, EXACT)
     assert torch.isinf(got[2])
 
@@ -509,15 +535,15 @@ def test_row_balls_cuda_equals_cpu_kernel(cuda_ops, dtype, distribution):
     assert_same_step(on_cpu, on_cuda, tol, gap_rtol=1e-12 if distribution == RADEMACHER else 1e-5)
 
 
-def test_row_radii_are_found_again_by_their_contents(cuda_ops):
+def test_row_radii_are_found_again_by_their_contents(fgfw_ops, device):
     # twelve different radii arrays (more than the cache keeps per device), then the first ones
     # again: every step uses its own radii, whatever was uploaded before
     shapes, row_numel = [(30, 20), (20,), (5, 9)], [20, 0, 9]
     balls = num_row_balls(shapes, row_numel)
-    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=29)
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=29, device=device)
     for k in list(range(12)) + [0, 1, 11]:
         radii = [0.5 + 0.1 * k + 0.01 * b for b in range(balls)]
-        expected, got = run_both(cuda_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
+        expected, got = run_both(fgfw_ops, params, moms, grads, radii=radii, offsets=[], row_numel=row_numel)
         assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
 
 
@@ -527,7 +553,7 @@ def test_row_radii_uploaded_on_one_stream_are_waited_for_on_another(cuda_ops):
     # before it lands (the cache records an event after each upload).
     shapes, row_numel = [(30, 20), (20,), (5, 9)], [20, 0, 9]
     radii = [0.731 + 0.013 * b for b in range(num_row_balls(shapes, row_numel))]  # uploaded by no other test
-    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=31)
+    params, moms, grads = make_group(shapes, torch.float32, momentum=True, grads=True, seed=31, device=CUDA)
     kwargs = dict(schedule=(7, 0.1, 0.3), coeffs=(0.7,), radii=radii, global_ball=False, offsets=[], seed=5,
                   distribution=GAUSSIAN, row_numel=row_numel)
     expected = run_step(ref.l1_fw_step_, params, moms, grads, **kwargs)
@@ -554,7 +580,7 @@ ROW_GRAPH_LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(ROW_GRAPH_LAYOUTS))
 def test_row_ball_graph_replay_equals_eager(cuda_ops, layout, per_row_radii):
     shapes, row_numel = ROW_GRAPH_LAYOUTS[layout]
-    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=30)
+    params, moms, _ = make_group(shapes, torch.float32, momentum=True, grads=False, seed=30, device=CUDA)
     offsets = flat_offsets(params)
     balls = num_row_balls(shapes, row_numel)
     # per-row radii that no other test uses: the warm-up step is the one that uploads them
@@ -606,7 +632,7 @@ def test_row_ball_graph_replay_equals_eager(cuda_ops, layout, per_row_radii):
 @pytest.mark.parametrize("layout", sorted(ROW_GRAPH_LAYOUTS))
 def test_row_ball_step_never_synchronises(cuda_ops, layout, per_row_radii, grads):
     shapes, row_numel = ROW_GRAPH_LAYOUTS[layout]
-    params, moms, grad_list = make_group(shapes, torch.bfloat16, momentum=True, grads=grads, seed=31)
+    params, moms, grad_list = make_group(shapes, torch.bfloat16, momentum=True, grads=grads, seed=31, device=CUDA)
     schedule = torch.tensor([3.0, 0.1, 0.5], dtype=torch.float64, device=CUDA)
     coeffs = torch.tensor([0.5, 0.25], dtype=torch.float64, device=CUDA)
     gap = torch.empty((), dtype=torch.float64, device=CUDA)
