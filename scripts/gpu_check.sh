@@ -188,7 +188,7 @@ else
       timeout 60 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -c \
       "import torch; torch.ones(4, device='cuda').sum().item()" >>"$out/sanitizer.log" 2>&1; then
     for tool in memcheck racecheck; do
-      run "compute-sanitizer $tool" 30 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
+      run "compute-sanitizer $tool" 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
         --error-exitcode 99 python3 scripts/gpu_sanitize.py >>"$out/sanitizer.log" 2>&1
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|gpu_sanitize" "$out/sanitizer.log" | tail -2 | tee -a "$summary"
     done
