@@ -24,7 +24,7 @@ fi
 phase "venv ready"
 # torchvision 0.29.1 is the release built for torch 2.14.1 (another would pull a different torch)
 .venv/bin/python -m pip install -q "torch==2.14.1" numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" \
-  pytest hypothesis scikit-learn matplotlib tqdm "torchvision==0.29.1" transformers
+  pytest pytest-xdist hypothesis scikit-learn matplotlib tqdm "torchvision==0.29.1" transformers
 phase "torch and the build and test tools installed"
 if [ -z "${FGFW_CUDA:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then

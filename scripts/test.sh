@@ -27,7 +27,13 @@ export FGFW_NO_SKIP_EVERYWHERE=${FGFW_NO_SKIP_EVERYWHERE:-1}
 echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_KERNELS=$FGFW_REQUIRE_CUDA_KERNELS" \
   "FGFW_NO_SKIP_EVERYWHERE=$FGFW_NO_SKIP_EVERYWHERE"
 # The sources live under python/, so `import fgfw` here is the installed package with its compiled _C.
+# pytest-xdist, one worker per core (FGFW_TEST_WORKERS=0: one process): most tests are single-threaded Python, and
+# one process left the second of CI's two cores idle. --dist loadfile keeps a file's tests, and its module
+# fixtures, on one worker.
+workers=${FGFW_TEST_WORKERS:-auto}
+parallel=(-n "$workers" --dist loadfile)
+[ "$workers" = 0 ] && parallel=(-p no:xdist)
 status=0
-.venv/bin/python -m pytest -q -ra tests "$@" || status=$?
+.venv/bin/python -m pytest -q -ra "${parallel[@]}" tests "$@" || status=$?
 echo "test.sh: tests ($(($(date +%s) - started)) s), exit $status"
 exit $status

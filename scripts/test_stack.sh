@@ -42,12 +42,14 @@ if [ ! -f "$venv/stamp" ] || [ "$(cat "$venv/stamp")" != "$want" ]; then
   "$PY" -m venv "$venv"
   # PIP_CONSTRAINT: a machine-wide pip constraint may cap torch at the main stack's version
   PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$torch_version" "triton==$triton_version" \
-    numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest hypothesis
+    numpy "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest pytest-xdist hypothesis
   echo "$want" >"$venv/stamp"
   phase "installed"
 else
   echo "stack $stack: reusing $venv ($want)"
 fi
+# the tests run under pytest-xdist as in scripts/test.sh (a venv installed before it was used gets it here)
+"$venv/bin/python" -c "import xdist" 2>/dev/null || PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q pytest-xdist
 
 # The CUDA kernels are compiled where nvcc's CUDA major is torch's (CMakeLists.txt refuses other pairs), as
 # scripts/test.sh does for the main stack; FGFW_CUDA=OFF skips them.
@@ -70,7 +72,7 @@ export FGFW_REQUIRE_CUDA_KERNELS=$([ "$cuda" = AUTO ] && echo 1 || echo 0)
 run_tests() {  # test files (under tests/), then pytest options
   local files=() arg
   while [ $# -gt 0 ] && [[ "$1" == *.py ]]; do files+=("tests/$1"); shift; done
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider "${files[@]}" "$@"
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${FGFW_TEST_WORKERS:-auto}" --dist loadfile "${files[@]}" "$@"
 }
 # The smoke subset: the optimizers' steps on every backend the CPU runs (C++ kernels, reference, the Triton
 # interpreter), their state, errors and grouping; about two minutes.

@@ -18,6 +18,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker takes its share of the cores: torch's
+# default, a thread per core in every worker, oversubscribed them and made the many small kernel tests 5 to 9
+# times slower. Tests of the parallel paths set their thread counts themselves.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 REQUIRE_EXTENSION = "FGFW_REQUIRE_EXTENSION"
 REQUIRE_CUDA_KERNELS = "FGFW_REQUIRE_CUDA_KERNELS"
 # scripts/test.sh sets it: a test skipped here that `--gpu-only` would not select either runs nowhere, so the
@@ -110,12 +116,13 @@ def needs_gpu(item) -> bool:
     return item.get_closest_marker("gpu") is not None
 
 
-_ITEMS: dict = {}  # nodeid -> collected item
-_SKIPPED: dict[str, str] = {}  # nodeid -> why it skipped
+# nodeid -> (why it skipped, whether --gpu-only selects it). Under pytest-xdist the reports reach this process
+# from the workers without their items, so a skipped test's report carries needs_gpu as a user property.
+_SKIPPED: dict[str, tuple[str, bool]] = {}
+NEEDS_GPU_PROPERTY = "fgfw_needs_gpu"
 
 
 def pytest_collection_modifyitems(config, items):
-    _ITEMS.update((item.nodeid, item) for item in items)
     if not config.getoption("--gpu-only"):
         return
     keep = [item for item in items if needs_gpu(item)]
@@ -137,16 +144,23 @@ def pytest_sessionstart(session):
         pytest.exit(f"fgfw: {failure}", returncode=pytest.ExitCode.TESTS_FAILED)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped:
+        report.user_properties.append((NEEDS_GPU_PROPERTY, needs_gpu(item)))
+
+
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
         longrepr = report.longrepr
-        _SKIPPED[report.nodeid] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        _SKIPPED[report.nodeid] = (reason, dict(report.user_properties).get(NEEDS_GPU_PROPERTY, True))
 
 
 def skipped_everywhere() -> list[tuple[str, str]]:
     """(nodeid, reason) of the tests this session skipped that `--gpu-only` does not select: they run nowhere."""
-    return [(nodeid, reason) for nodeid, reason in _SKIPPED.items()
-            if nodeid in _ITEMS and not needs_gpu(_ITEMS[nodeid])]
+    return [(nodeid, reason) for nodeid, (reason, gpu) in _SKIPPED.items() if not gpu]
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -234,3 +234,38 @@ sys.modules["fgfw._build_info"] = built
         """, _environment(tmp_path, other_torch))
     assert result.returncode == 0, result.stderr
     assert "fgfw._C was built for torch 2.0.0, this process has torch" in result.stdout
+
+
+SKIP_PROBE = """
+import pytest
+
+
+def test_skips_for_a_reason_no_gpu_lifts():
+    pytest.skip("not today")
+
+
+@pytest.mark.skipif(True, reason="needs a CUDA device")
+def test_waits_for_a_gpu():
+    pass
+
+
+def test_runs():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_test_skipped_everywhere_fails_the_session(tmp_path, workers):
+    """FGFW_NO_SKIP_EVERYWHERE=1 (scripts/test.sh) fails a session that skips a test --gpu-only would not select,
+    and names it, also when pytest-xdist runs the suite (scripts/test.sh does): there the reports come from the
+    workers without their items (before, the xdist session passed)."""
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_probe.py").write_text(SKIP_PROBE)
+    env = _environment(tmp_path, None, FGFW_NO_SKIP_EVERYWHERE="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, str(tmp_path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "FAILED: 1 skipped tests that --gpu-only does not select" in output, output
+    nowhere = output.split("so they run nowhere", 1)[1]
+    assert "test_skips_for_a_reason_no_gpu_lifts" in nowhere and "test_waits_for_a_gpu" not in nowhere, output
