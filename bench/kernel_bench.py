@@ -4,7 +4,8 @@ For each size (and two many-tensor cases: a realistic model's 200 shapes with pe
 12 x 1024 MLP with one ball per row) it times one optimizer step on one (device, dtype) group, in three
 modes: ``afgfw`` (forward gradient with momentum v: reads and writes theta and v, 16 B/param in
 float32), ``fgfw`` (forward gradient, no momentum: theta, 8 B/param) and ``fw`` (backprop gradient, no
-momentum: theta read and written, the gradient read, 12 B/param):
+momentum: theta read and written, the gradient read, 12 B/param) and ``fw_momentum`` (FrankWolfe's default with
+momentum: the gradient read, theta and v read and written, 20 B/param):
 
 * ``fused``   - fgfw's compiled kernel (``cuda`` on a GPU, ``cpu`` on the CPU): u regenerated in
                 registers from the Philox stream, one pass over theta (and v).
@@ -47,7 +48,8 @@ from fgfw.experiments import write_csv
 
 HERE = Path(__file__).resolve().parent
 # mode -> (with momentum, with a backprop gradient, bytes moved per float32 parameter)
-MODES = {"afgfw": (True, False, 16), "fgfw": (False, False, 8), "fw": (False, True, 12)}
+MODES = {"afgfw": (True, False, 16), "fgfw": (False, False, 8), "fw": (False, True, 12),
+         "fw_momentum": (True, True, 20)}
 ALL_BACKENDS = ("fused", "triton", "eager", "compile", "copy")
 
 
