@@ -4,6 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # the CUDA kernels are compiled wherever nvcc is, GPU or not, so that a CUDA compile error fails the tests
 export FGFW_CUDA=${FGFW_CUDA:-AUTO}
+# Without a GPU the CUDA kernels are only compiled, for one architecture: sm_80 (scripts/test_stack.sh oldest compiles
+# sm_90, so CI compiles both of the default list's, one each). A GPU machine builds the default list.
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+  export TORCH_CUDA_ARCH_LIST=8.0
+fi
 bash scripts/setup.sh
 started=$(date +%s)
 # setup.sh has just built fgfw._C: the session fails (tests/conftest.py) if it does not import, instead
@@ -28,10 +33,12 @@ echo "test.sh: FGFW_REQUIRE_EXTENSION=$FGFW_REQUIRE_EXTENSION FGFW_REQUIRE_CUDA_
   "FGFW_NO_SKIP_EVERYWHERE=$FGFW_NO_SKIP_EVERYWHERE"
 # The sources live under python/, so `import fgfw` here is the installed package with its compiled _C.
 # pytest-xdist, one worker per core (FGFW_TEST_WORKERS=0: one process): most tests are single-threaded Python, and
-# one process left the second of CI's two cores idle. --dist loadfile keeps a file's tests, and its module
-# fixtures, on one worker.
+# one process left the second of CI's two cores idle. --dist worksteal: each worker starts on its share of the
+# tests in collection order and an idle one takes from the others' remainders (whole files per worker left one
+# worker alone on the last long file for minutes); a module fixture runs again only on a worker that steals into
+# its file.
 workers=${FGFW_TEST_WORKERS:-auto}
-parallel=(-n "$workers" --dist loadfile)
+parallel=(-n "$workers" --dist worksteal)
 [ "$workers" = 0 ] && parallel=(-p no:xdist)
 status=0
 .venv/bin/python -m pytest -q -ra "${parallel[@]}" tests "$@" || status=$?
