@@ -1,0 +1,107 @@
+"""Aten ops one optimizer step dispatches, on Hugging Face GPT-2 (issue 29: launches per step independent of the
+number of tensors).
+
+Counted with a TorchDispatchMode around one ``opt.step()`` after two warm-up steps (the plan is built by then),
+on the CPU: the step takes the same Python path on every device, so the count stands for the GPU's launches as
+far as that holds (today the finiteness check is one C++ op on the CPU and per-tensor torch ops on CUDA). Views
+and metadata ops count too: each is a dispatcher round trip on the host.
+
+  python bench/op_count.py                      # width 64, 2 and 12 layers
+  python bench/op_count.py --max-ops 30         # exits 1 if an fgfw method dispatches more, or if its count
+                                                # changes with the depth
+
+Methods: ``adamw_fused`` and ``adamw_foreach`` (torch.optim.AdamW), ``fw_readme_groups`` (FrankWolfe with the
+README's groups: L1 row balls on the weights, unconstrained biases and norms, an L-infinity ball on the
+embeddings) and ``fw_l1`` (one L1 ball per tensor over every tensor).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fgfw
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def gpt2(layers: int, width: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=256, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def optimizer(method: str, model):
+    if method == "adamw_fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if method == "adamw_foreach":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    if method == "fw_readme_groups":
+        groups = fgfw.param_groups(model, weights=fgfw.L1Ball.relative_to_init(5.0, scope="row"), biases=None,
+                                   norms={"constraint": None, "step_size": 1e-3},
+                                   embeddings=fgfw.LInfBall.relative_to_init(2.0))
+        return fgfw.FrankWolfe(groups, constraint=fgfw.L1Ball(radius=1.0), momentum=0.9)
+    if method == "fw_l1":
+        return fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=1.0), momentum=0.9)
+    raise ValueError(f"unknown method {method!r}")
+
+
+METHODS = ("adamw_fused", "adamw_foreach", "fw_readme_groups", "fw_l1")
+
+
+def count(method: str, layers: int, width: int) -> collections.Counter:
+    model = gpt2(layers, width)
+    opt = optimizer(method, model)
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+    for _ in range(2):
+        opt.step()
+    counter = OpCounter()
+    with counter:
+        opt.step()
+    return counter.ops
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 12])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--max-ops", type=int, default=None,
+                        help="fail (exit 1) if an fgfw method dispatches more ops, or a different number at two depths")
+    parser.add_argument("--top", type=int, default=0, help="print the most frequent ops of each fgfw row")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"| method | " + " | ".join(f"{n} layers" for n in args.layers) + " |")
+    print("|---|" + "---:|" * len(args.layers))
+    failures = []
+    for method in args.methods:
+        counts = [count(method, n, args.width) for n in args.layers]
+        totals = [sum(c.values()) for c in counts]
+        print(f"| {method} | " + " | ".join(str(t) for t in totals) + " |", flush=True)
+        if method.startswith("fw"):
+            if args.top:
+                print("    " + ", ".join(f"{op} {k}" for op, k in counts[-1].most_common(args.top)))
+            if args.max_ops is not None and (max(totals) > args.max_ops or len(set(totals)) > 1):
+                failures.append(f"{method}: {totals} ops at {args.layers} layers (at most {args.max_ops}, the same "
+                                f"at every depth)")
+    for failure in failures:
+        print(f"FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
