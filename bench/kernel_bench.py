@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 # mode -> (with momentum, with a backprop gradient, bytes moved per float32 parameter)
 MODES = {"afgfw": (True, False, 16), "fgfw": (False, False, 8), "fw": (False, True, 12),
          "fw_momentum": (True, True, 20)}
+DEFAULT_MODES = ["afgfw", "fgfw", "fw"]  # what every script names; fw_momentum on request
 ALL_BACKENDS = ("fused", "triton", "eager", "compile", "copy")
 
 
@@ -355,8 +356,8 @@ def main(argv=None):
     parser.add_argument("--sizes", nargs="+", type=float, default=None,
                         help="parameter counts of the single-tensor cases (default: 1e4 .. 1e9 on a GPU as "
                              "memory allows, 1e4 .. 1e7 on the CPU)")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["afgfw", "fgfw", "fw"],
-                        help="default afgfw fgfw fw; fw_momentum on request")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES,
+                        help=f"default {' '.join(DEFAULT_MODES)}")
     parser.add_argument("--backends", default=None,
                         help=f"comma-separated subset of {','.join(ALL_BACKENDS)} (default: fused,eager,compile,copy "
                              "on a GPU; fused,eager,copy on the CPU); one that is not available here is skipped "
@@ -368,8 +369,8 @@ def main(argv=None):
                         help="width of the 200-tensor model case (default 768 on a GPU, 128 on the CPU; 0 skips it)")
     parser.add_argument("--mlp-rows", action="store_true",
                         help="add the 12 x 1024 MLP with one L1 ball per row (scope='row')")
-    parser.add_argument("--compile-modes", nargs="+", choices=list(MODES), default=["afgfw", "fgfw", "fw"],
-                        help="modes to time torch.compile in (default: all)")
+    parser.add_argument("--compile-modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES,
+                        help=f"modes to time torch.compile in (default: {' '.join(DEFAULT_MODES)})")
     parser.add_argument("--compile-sizes", nargs="+", type=float, default=None,
                         help="time torch.compile only on the single-tensor cases of these sizes (each size "
                              "compiles anew; the many-tensor steps take minutes to compile; default: every case)")

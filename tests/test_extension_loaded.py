@@ -71,8 +71,8 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def _pytest(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=REPO, env=env,
+def _pytest(env: dict, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -262,8 +262,7 @@ def test_a_test_skipped_everywhere_fails_the_session(tmp_path, workers):
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
     (tmp_path / "test_probe.py").write_text(SKIP_PROBE)
     env = _environment(tmp_path, None, FGFW_NO_SKIP_EVERYWHERE="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, str(tmp_path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = _pytest(env, *workers, str(tmp_path), cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert "FAILED: 1 skipped tests that --gpu-only does not select" in output, output
