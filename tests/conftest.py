@@ -132,6 +132,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: the test exercises GPU code when a GPU is there (kept by --gpu-only)")
+    config.addinivalue_line("markers", "shared_data: the test reads ../shared/data and skips where it is absent (a skip "
+                                       "FGFW_NO_SKIP_EVERYWHERE allows: the data, not a GPU, is missing)")
 
 
 def pytest_sessionstart(session):
@@ -148,7 +150,9 @@ def pytest_sessionstart(session):
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if report.skipped:
-        report.user_properties.append((NEEDS_GPU_PROPERTY, needs_gpu(item)))
+        # a test that waits for a GPU, or for the shared data set, runs where that is: not "nowhere"
+        runs_elsewhere = needs_gpu(item) or item.get_closest_marker("shared_data") is not None
+        report.user_properties.append((NEEDS_GPU_PROPERTY, runs_elsewhere))
 
 
 def pytest_runtest_logreport(report):

@@ -80,6 +80,7 @@ def test_finetune_gpt2_example(tmp_path):
 MNIST = os.path.join(ROOT, "..", "shared", "data", "mnist")
 
 
+@pytest.mark.shared_data
 @pytest.mark.skipif(not os.path.isdir(MNIST), reason=f"needs the MNIST IDX files at {MNIST}")
 def test_finetune_mnist_quick(tmp_path):
     out = run("bench/finetune.py", "--task", "mnist", "--data", MNIST, "--quick", "--out", str(tmp_path),

@@ -132,6 +132,7 @@ def test_load_dispatches_to_digits_by_default():
     assert x_train.shape[1] == 64 and len(x_train) + len(x_test) == 1797
 
 
+@pytest.mark.shared_data
 @pytest.mark.skipif(SHARED_MNIST is None, reason="the shared MNIST test set (../shared/data/mnist beside the repository, "
                                                  "or /work/shared/data/mnist) is not present")
 def test_shared_mnist_test_set_loads_and_splits_8000_2000():

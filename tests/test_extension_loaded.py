@@ -249,6 +249,11 @@ def test_waits_for_a_gpu():
     pass
 
 
+@pytest.mark.shared_data
+def test_waits_for_the_shared_data():
+    pytest.skip("../shared/data is not here")
+
+
 def test_runs():
     pass
 """
@@ -268,3 +273,4 @@ def test_a_test_skipped_everywhere_fails_the_session(tmp_path, workers):
     assert "FAILED: 1 skipped tests that --gpu-only does not select" in output, output
     nowhere = output.split("so they run nowhere", 1)[1]
     assert "test_skips_for_a_reason_no_gpu_lifts" in nowhere and "test_waits_for_a_gpu" not in nowhere, output
+    assert "test_waits_for_the_shared_data" not in nowhere, output
