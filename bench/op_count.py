@@ -10,20 +10,23 @@ and metadata ops count too: each is a dispatcher round trip on the host.
   python bench/op_count.py --max-ops 30         # exits 1 if an fgfw method dispatches more, or if its count
                                                 # changes with the depth
 
-Methods: ``adamw_fused`` and ``adamw_foreach`` (torch.optim.AdamW), ``fw_readme_groups`` (FrankWolfe with the
-README's groups: L1 row balls on the weights, unconstrained biases and norms, an L-infinity ball on the
-embeddings) and ``fw_l1`` (one L1 ball per tensor over every tensor).
+Methods: bench/optimizer_step.py's, by the same names: ``adamw_fused`` and ``adamw_foreach`` (torch.optim.AdamW),
+``fw_readme_groups`` (FrankWolfe with the README's groups: L1 row balls on the weights, unconstrained biases and
+norms, an L-infinity ball on the embeddings) and ``fw_l1`` (one L1 ball per tensor over every tensor).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fgfw
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import optimizer_step  # noqa: E402  (the methods, defined once)
 
 
 class OpCounter(TorchDispatchMode):
@@ -37,25 +40,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def gpt2(layers: int, width: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=256, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0))
-
-
-def optimizer(method: str, model):
-    if method == "adamw_fused":
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    if method == "adamw_foreach":
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    if method == "fw_readme_groups":
-        groups = fgfw.param_groups(model, weights=fgfw.L1Ball.relative_to_init(5.0, scope="row"), biases=None,
-                                   norms={"constraint": None, "step_size": 1e-3},
-                                   embeddings=fgfw.LInfBall.relative_to_init(2.0))
-        return fgfw.FrankWolfe(groups, constraint=fgfw.L1Ball(radius=1.0), momentum=0.9)
-    if method == "fw_l1":
-        return fgfw.FrankWolfe(model.parameters(), constraint=fgfw.L1Ball(radius=1.0), momentum=0.9)
-    raise ValueError(f"unknown method {method!r}")
+    return optimizer_step.gpt2(dict(n_layer=layers, n_embd=width, n_head=2, vocab_size=256, n_positions=64),
+                               torch.device("cpu"))
 
 
 METHODS = ("adamw_fused", "adamw_foreach", "fw_readme_groups", "fw_l1")
@@ -63,15 +49,17 @@ METHODS = ("adamw_fused", "adamw_foreach", "fw_readme_groups", "fw_l1")
 
 def count(method: str, layers: int, width: int) -> collections.Counter:
     model = gpt2(layers, width)
-    opt = optimizer(method, model)
+    opts = optimizer_step.make_optimizers(method, model)
     gen = torch.Generator().manual_seed(1)
     for p in model.parameters():
         p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
     for _ in range(2):
-        opt.step()
+        for opt in opts:
+            opt.step()
     counter = OpCounter()
     with counter:
-        opt.step()
+        for opt in opts:
+            opt.step()
     return counter.ops
 
 

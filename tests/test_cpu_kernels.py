@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from fgfw import _ops
 from fgfw import reference as ref
 
 import set_cases
@@ -290,6 +291,7 @@ def test_all_finite_kernel_agrees_with_the_definition(fgfw_ops, threads):
             assert by_definition == expected
             assert fgfw_ops.all_finite(tensors) is expected
             assert ref.all_finite(tensors) is expected
+            assert _ops.all_finite_multi_tensor(tensors) is expected  # the GPU's path, on the CPU
     finally:
         torch.set_num_threads(previous)
 

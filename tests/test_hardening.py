@@ -208,7 +208,8 @@ def test_finite_check_does_not_overflow(dtype, value):
     theta.grad[3] = float("nan")
     with pytest.raises(ValueError, match="not finite"):
         opt.step()
-    for all_finite in (_ops.all_finite, reference.all_finite):  # the kernel where there is one, and the spec
+    # the kernel where there is one, the multi-tensor ops (the GPU's), and the spec
+    for all_finite in (_ops.all_finite, _ops.all_finite_multi_tensor, reference.all_finite):
         assert all_finite([torch.ones(3), torch.full((4,), value, dtype=dtype)])
         assert not all_finite([torch.ones(3), torch.tensor([1.0, float("inf")], dtype=dtype)])
         assert all_finite([torch.empty(0, dtype=dtype)])

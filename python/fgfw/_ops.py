@@ -283,9 +283,34 @@ def set_fw_step_(kind: str, params, momentum, grads, schedule, tangent_coeffs, r
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every entry of every tensor is finite (see ``reference.all_finite``): the C++ kernel when the
-    tensors are on the CPU (one pass, no temporaries), else the reference's torch ops. Under torch.compile
-    the reference, which dynamo traces (the host read is a graph break either way)."""
-    if (tensors and not torch.compiler.is_compiling() and _has_kernel("all_finite", "CPU")
-            and all(t.device.type == "cpu" for t in tensors)):
+    tensors are on the CPU (one pass, no temporaries), else multi-tensor torch ops (all_finite_multi_tensor),
+    whose number does not grow with the number of tensors. Under torch.compile the reference, which dynamo
+    traces (the host read is a graph break either way)."""
+    if not tensors:
+        return True
+    if torch.compiler.is_compiling():
+        return reference.all_finite(tensors)
+    if _has_kernel("all_finite", "CPU") and all(t.device.type == "cpu" for t in tensors):
         return torch.ops.fgfw.all_finite(tensors)
-    return reference.all_finite(tensors)
+    return all_finite_multi_tensor(tensors)
+
+
+def all_finite_multi_tensor(tensors: list[torch.Tensor]) -> bool:
+    """``reference.all_finite`` in a few multi-tensor ops per (device, dtype), one host read: the sum of |x| of
+    each tensor, accumulated in float64, is finite exactly when every entry is (NaN and inf propagate through a
+    sum in any order, and no sum of finite float32 or half values overflows float64). A float64 tensor's sum
+    could overflow: it is summed times 0 (0 where x is finite, NaN where not), through a temporary."""
+    if any(t.is_complex() for t in tensors):
+        return reference.all_finite(tensors)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point():  # integers and bools are finite
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
+    device = tensors[0].device
+    verdicts = []
+    for (_, dtype), group in by_kind.items():
+        if dtype == torch.float64:
+            group = torch._foreach_mul(group, 0.0)
+        sums = torch._foreach_norm(group, 1, dtype=torch.float64)
+        verdicts.append(torch.stack(sums).isfinite().all().to(device))
+    return bool(torch.stack(verdicts).all()) if verdicts else True

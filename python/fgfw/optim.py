@@ -93,17 +93,16 @@ def _check_radii(constraint: Constraint, params: list[torch.Tensor], radii: obje
 
 def _gradient_step(call: "_Call", grads: list[torch.Tensor], schedule: torch.Tensor) -> None:
     """reference.gradient_step_ for an unconstrained call, in device ops that read nothing on the host (so a
-    compiled or captured step keeps it whole), with the reference's roundings: tests/test_unconstrained.py."""
-    alpha = schedule[1].to(call.dtype)
-    gamma = schedule[2].to(call.dtype)
-    for t, (theta, g) in enumerate(zip(call.targets, grads)):
-        d = g.reshape(-1).to(call.dtype)
-        if call.moms:
-            v = call.moms[t].view(-1)
-            v.copy_((1 - gamma) * v + gamma * d)
-            d = v
-        flat = theta.view(-1)
-        flat.copy_(flat.to(call.dtype) - alpha * d)
+    compiled or captured step keeps it whole), with the reference's roundings (tests/test_unconstrained.py):
+    each product rounded on its own, then the sum. Multi-tensor ops, so that the number of ops (GPU launches)
+    does not grow with the number of tensors: tests/test_op_count.py."""
+    _, alpha, gamma = schedule.to(call.dtype).unbind()  # one cast, as the reference's of each number
+    d = grads
+    if call.moms:
+        torch._foreach_mul_(call.moms, 1 - gamma)
+        torch._foreach_add_(call.moms, torch._foreach_mul(grads, gamma))
+        d = call.moms
+    torch._foreach_sub_(call.targets, torch._foreach_mul(d, alpha))
 
 
 # Parameter dtypes stepped through a float32 master copy (see _FrankWolfeBase._master).
@@ -874,18 +873,19 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if call.targets is None:
                 self._make_state(call)
                 plan.key[0] = len(self.state)  # the state this plan made is its own (see _plan_key)
-            gap = torch.empty((), dtype=torch.float64, device=device)  # the op writes it
+            unconstrained = isinstance(call.constraint, constraints.Unconstrained)
+            # the op writes it; an unconstrained call has no vertex, no share of the Frank-Wolfe gap
+            gap = None if unconstrained else torch.empty((), dtype=torch.float64, device=device)
             if call.centers:  # a centred ball: the step is theta - c <- (1 - alpha)(theta - c) + alpha s
                 torch._foreach_sub_(call.targets, call.centers)
             if call.fused_set is not None:
                 _ops.set_fw_step_(call.fused_set[0], call.targets, call.moms, grads[c] if grads is not None else [],
                                   schedule[c], coeffs_on[device], call.radii, call.global_ball, call.starts, seed,
                                   distribution, gap, call.backend, call.row_numel, call.fused_set[1], call.scales)
-            elif isinstance(call.constraint, constraints.Unconstrained):
+            elif unconstrained:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
                 _gradient_step(call, call_grads, schedule[c])
-                gap.zero_()  # no vertex: no share of the Frank-Wolfe gap
             elif call.constraint is not None:
                 call_grads = grads[c] if grads is not None else self._forward_gradients(call, coeffs_on[device], k,
                                                                                          seed, distribution)
@@ -910,12 +910,15 @@ class _FrankWolfeBase(torch.optim.Optimizer):
             if call.halves:
                 # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
                 torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])
-            gaps.append(gap)
+            if gap is not None:
+                gaps.append(gap)
         # summed where the first call's device is: no host synchronisation. Into the container itself, not through
         # the last_gap property: torch 2.11's dynamo refuses a property's setattr inside a compiled step.
         total = None
         for gap in gaps:
             total = gap if total is None else total + gap.to(total.device)
+        if total is None and plan.calls:  # unconstrained calls only: a gap of 0
+            total = torch.zeros((), dtype=torch.float64, device=plan.calls[0].device)
         self._step_results["gap"] = total
         self._step_count_k.copy_(k)
 
@@ -1196,14 +1199,20 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if self._replicas is not None:
             # every rank gets the same mean, non-finite on every rank if on one: they raise (or step) alike
             coeffs = self._replicas.mean_coefficients(coeffs, weight)
+        self._coefficient_update(plan, schedule, k, coeffs, loss)
+        return loss
+
+    def _coefficient_update(self, plan: _Plan, schedule: list[torch.Tensor], k: torch.Tensor, coeffs: torch.Tensor,
+                            loss: torch.Tensor | None) -> None:
+        """What a step does after its forward passes: the update from the directional derivatives ``coeffs``
+        (float64, one per tangent). Timed alone by bench/optimizer_step.py (method afgfw_update)."""
         if self.check_finite and not bool(torch.isfinite(coeffs).all()):
             raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
                              f"(values {coeffs.tolist()}, loss {float(loss)}); parameters and optimizer state were left "
                              f"unchanged (check the closure and step size, or pass check_finite=False)")
         self._apply(plan, schedule, k, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
-                    distribution=distribution)
+                    distribution=reference.DISTRIBUTIONS[self.tangent])
         self._check_replicas(k)
-        return loss
 
     def _check_replicas(self, k: torch.Tensor) -> None:
         """Every check_replicas_every steps, ``RuntimeError`` on every rank if the replicas' parameters differ."""
