@@ -85,17 +85,10 @@ def update_step(algorithm: str, name: str, per_tensor: bool):
 
 
 def forward_gradient_update(opt):
-    """What ``opt.step()`` of FGFW/AFGFW does after its forward passes (optim._ForwardGradientFrankWolfe.step),
-    as a no-argument callable: the fused update from the directional derivative COEFF, Gaussian tangents."""
+    """What ``opt.step()`` of FGFW/AFGFW does after its forward passes (``_update_from_coefficients``), as a
+    no-argument callable: the fused update from the directional derivative COEFF, Gaussian tangents."""
     coeffs = torch.tensor([COEFF], dtype=torch.float64)
-
-    @torch.no_grad()
-    def update():
-        k = opt._step_count_k + 1
-        plan = opt._prepared()
-        opt._apply(plan, opt._schedules(plan, k), k, grads=None, tangent_coeffs=coeffs, seed=opt.seed,
-                   distribution=0)
-    return update
+    return lambda: opt._update_from_coefficients(coeffs)
 
 
 def eager_step(algorithm: str, name: str):

@@ -122,3 +122,36 @@ def test_a_step_with_unconstrained_groups_compiles_whole_and_matches_eager():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("freeze_one", [False, True])
+@pytest.mark.parametrize("algorithm", ["FGFW", "AFGFW"])
+def test_the_forward_gradient_step_is_the_reference_bit_for_bit(dtype, freeze_one, algorithm):
+    """FGFW's and AFGFW's unconstrained groups against reference.gradient_step_, which regenerates every tangent
+    from the pure-torch stream at the tensor's offset: the same bits, with K = 2 Rademacher tangents (exact in
+    every backend; the Gaussian's libm-like functions are not bit-identical across them), a bias frozen after
+    construction (its place in the stream stays, a gap in the middle of the call's tensors) or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3)).to(dtype)
+    groups = fgfw.param_groups(model, weights=fgfw.L1Ball.relative_to_init(2.0),
+                               biases={"constraint": None, "step_size": 0.01},
+                               norms={"constraint": None, "step_size": 0.01})
+    schedule = {"step_size": "1/k"} if algorithm == "FGFW" else {"step_size": "1/k", "averaging_weight": 0.5}
+    opt = getattr(fgfw, algorithm)(model, params=groups, constraint=fgfw.L1Ball(radius=1.0), seed=3,
+                                   num_tangents=2, tangent="rademacher", **schedule)
+    if freeze_one:
+        model[2].bias.requires_grad_(False)
+    stepped = [p for g in opt.param_groups[1:] for p in g["params"] if p.requires_grad]
+    cdt = reference.compute_dtype(dtype)
+    theta = [p.detach().to(cdt).clone() for p in stepped]
+    moms = [torch.zeros_like(t) for t in theta] if algorithm == "AFGFW" else []
+    offsets = [opt._prepared().offsets[id(p)] for p in stepped]
+    coeffs = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    for k in range(1, 4):
+        opt._update_from_coefficients(coeffs * k)
+        gamma = 0.5 if algorithm == "AFGFW" else 0.0
+        reference.gradient_step_(theta, moms, [], torch.tensor([k, 0.01, gamma], dtype=torch.float64),
+                                 coeffs * k / 2, offsets, 3, reference.RADEMACHER)
+    for p, t in zip(stepped, theta):
+        assert torch.equal(p.detach(), t.to(dtype)), (p, t)

@@ -1,0 +1,383 @@
+"""FGFW and AFGFW: the Frank-Wolfe optimizers whose direction comes from forward-mode directional derivatives (the
+"weight" estimator, the paper's) or from tangents on layer outputs (the "activity" estimator, fgfw.activity)."""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .. import _ops, activity, constraints, distributed, forward_grad, reference, schedules
+from ..constraints import Constraint
+from . import functional, plan as planning, settings
+from .frank_wolfe import _FrankWolfeBase
+
+# "weight": the paper's projected forward gradient, u over the parameters; "activity": u over the outputs
+# of nn.Linear layers (fgfw.activity), far less variance, per-example losses needed.
+ESTIMATORS = ("weight", "activity")
+
+
+def _called_autograd(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch.autograd.backward`` or ``torch.autograd.grad``."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__") == "torch.autograd" and frame.f_code.co_name in ("backward", "grad"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _batch_weight(batch_size: object) -> float:
+    """A rank's weight in the data-parallel mean: its batch size, or 1 (equal weights) when not given."""
+    if batch_size is None:
+        return 1.0
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be None or an integer >= 1 (this rank's number of examples), got "
+                         f"{batch_size!r}")
+    return float(batch_size)
+
+
+class _ForwardGradientFrankWolfe(_FrankWolfeBase):
+    """FGFW and AFGFW: the gradient estimate comes from forward-mode directional derivatives."""
+
+    def __init__(self, module: nn.Module, params: Iterable | None, defaults: dict, *, constraint: Constraint,
+                 seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
+                 check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool,
+                 process_group: object = distributed.AUTO, check_replicas_every: int = 0,
+                 rescale: str | None = None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
+                            f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
+        if tangent not in reference.DISTRIBUTIONS:
+            raise ValueError(f"tangent must be one of {sorted(reference.DISTRIBUTIONS)}, got {tangent!r}")
+        if isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 1:
+            raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if recompute_inputs and estimator != "activity":
+            raise ValueError("recompute_inputs=True applies to estimator='activity' (the weight estimator keeps no "
+                             "inputs to recompute)")
+        if estimator == "activity" and engine is not None:
+            raise ValueError(f"engine selects the forward-mode engine of estimator='weight'; estimator='activity' "
+                             f"always runs torch's forward AD (got engine={engine!r})")
+        engine = forward_grad.DEFAULT_ENGINE if engine is None else engine
+        if engine not in forward_grad.ENGINES:
+            raise ValueError(f"engine must be one of {sorted(forward_grad.ENGINES)}, got {engine!r}")
+        if tangents_in_one_pass and estimator == "weight" and not hasattr(forward_grad.ENGINES[engine], "batched"):
+            raise ValueError(f"tangents_in_one_pass=True needs an engine with a batched form (\"lean\"), got "
+                             f"engine={engine!r}")
+        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) \
+                or check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every must be an integer >= 0 (0: never), got {check_replicas_every!r}")
+        explicit_seed = seed is not None
+        if seed is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_())  # from torch's RNG: manual_seed fixes it
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        group = distributed.resolve_group(process_group)
+        self._replicas: distributed.Replicas | None = None
+        self.check_replicas_every = check_replicas_every
+        if params is None:
+            params = [p for p in module.parameters() if p.requires_grad]
+        constraints.register_modules(module)  # for the radius rules of zero-initialised balls
+        params, tensors = settings.param_tensors(params)
+        if group is not None and tensors:
+            # the replicas start from the group's first rank's parameters (before radii are resolved from
+            # them and the start is made feasible) and draw the same tangents
+            self._replicas = distributed.Replicas(group, tensors[0].device)
+            self._replicas.broadcast_(tensors)
+            seed = self._replicas.agree_seed(seed, explicit_seed)
+        self.module = module
+        self.seed = seed
+        self.tangent = tangent
+        self.num_tangents = num_tangents
+        self.tangents_in_one_pass = bool(tangents_in_one_pass)
+        self.engine = engine
+        self.estimator = estimator
+        self.recompute_inputs = bool(recompute_inputs)
+        super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite,
+                         rescale=rescale)
+        module_params = {id(p) for p in module.parameters()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in module_params:
+                    raise ValueError(f"params must be parameters of module; got a tensor of shape {tuple(p.shape)} "
+                                     f"that module does not own (the JVP can only perturb the module's parameters)")
+        if estimator == "activity":
+            activity.perturbed_layers(module, [p for g in self.param_groups for p in g["params"]])
+
+    _uses_tangent_stream = True
+
+    def _param_name(self, p: torch.Tensor) -> str | None:
+        return next((name for name, q in self.module.named_parameters() if q is p), None)
+
+    def _extra_state(self) -> dict:
+        return dict(super()._extra_state(), seed=self.seed, tangent=self.tangent, num_tangents=self.num_tangents,
+                    estimator=self.estimator)
+
+    def _check_extra_state(self, extra: dict) -> None:
+        # a state saved before the estimator existed has none: it is the weight estimator's
+        super()._check_extra_state(dict({"estimator": "weight"}, **extra))
+        seed, tangent, num_tangents = extra["seed"], extra["tangent"], extra["num_tangents"]
+        estimator = extra.get("estimator", "weight")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"state_dict's seed must be an int, got {seed!r}")
+        if not isinstance(tangent, str) or tangent not in reference.DISTRIBUTIONS:
+            raise ValueError(f"state_dict's tangent must be one of {sorted(reference.DISTRIBUTIONS)}, got {tangent!r}")
+        if isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 1:
+            raise ValueError(f"state_dict's num_tangents must be an integer >= 1, got {num_tangents!r}")
+        if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+            raise ValueError(f"state_dict's estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if estimator != "activity" and self.recompute_inputs:
+            raise ValueError(f"state_dict's estimator is {estimator!r}, but this optimizer was built with "
+                             f"recompute_inputs=True, which applies to estimator='activity' only")
+        if estimator == "activity":  # every parameter must be held by a module (raises ValueError naming it)
+            activity.perturbed_layers(self.module, [p for g in self.param_groups for p in g["params"]])
+
+    def _load_extra_state(self, extra: dict) -> None:
+        super()._load_extra_state(extra)
+        self.seed, self.tangent, self.num_tangents = int(extra["seed"]), extra["tangent"], int(extra["num_tangents"])
+        self.estimator = extra.get("estimator", "weight")
+
+    def _guarded(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """``closure`` with a clear error if it calls ``backward()`` or ``torch.autograd.grad`` (torch's own
+        error, raised deep in the forward-mode pass, names neither the closure nor the way out)."""
+        if torch.compiler.is_compiling():  # traced whole: no Python-level exception handling
+            return closure
+        name = type(self).__name__
+
+        def guarded():
+            try:
+                return closure()
+            except (RuntimeError, ValueError) as err:  # ValueError: the activity estimator's check refused it
+                if not _called_autograd(err):
+                    raise
+                raise RuntimeError(
+                    f"the closure passed to {name}.step called backward() (or torch.autograd.grad): {name} needs no "
+                    f"backward pass, it runs the closure under forward-mode AD and no_grad, where there is no graph "
+                    f"to differentiate. The closure must only compute and return the loss, e.g. "
+                    f"opt.step(lambda: F.cross_entropy(model(x), y)); no loss.backward() and no zero_grad() "
+                    f"(for backprop gradients use fgfw.FrankWolfe)") from err
+        return guarded
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, *, batch_size: int | None = None) -> torch.Tensor:
+        """One step: ``num_tangents`` forward-mode passes of ``closure``, then the fused Frank-Wolfe update.
+
+        ``closure`` (required) runs the model as usual and returns the scalar loss, e.g.
+        ``opt.step(lambda: F.cross_entropy(model(x), y))``; it is called under forward-mode AD and no_grad
+        (no backward pass, no stored activations), so it must not call ``backward()`` (that raises
+        ``RuntimeError`` saying so). With ``estimator="activity"`` it returns the per-example losses instead
+        (``reduction="none"``). Returns the (mean) loss at the pre-step parameters.
+
+        Parameters frozen (``requires_grad=False``) since construction get no tangent and do not move (in a
+        global ball they raise ``ValueError``); the others keep their place in the tangent stream.
+
+        Data-parallel (a process group, see the class): every rank calls ``step`` with its own batch; the
+        directional derivatives (the activity estimator: the estimate) are averaged over the ranks, weighted
+        by ``batch_size`` (this rank's number of examples; None: equal weights), and every rank applies the
+        same update. The returned loss is this rank's.
+        """
+        weight = _batch_weight(batch_size)
+        if closure is None or not callable(closure):
+            got = "no closure" if closure is None else f"a {type(closure).__name__}"
+            raise TypeError(f"{type(self).__name__}.step needs a closure that computes the loss with the module, "
+                            f"e.g. opt.step(lambda: F.cross_entropy(model(x), y)) (it runs the forward pass only: "
+                            f"no loss.backward()); got {got}")
+        closure = self._guarded(closure)
+        k = self._step_count_k + 1
+        plan = self._prepared()
+        schedule = self._schedules(plan, k)
+        params, offsets = plan.stream_params, plan.offsets
+        distribution = reference.DISTRIBUTIONS[self.tangent]
+
+        def fill(out: torch.Tensor, offset: int, tangent_id: int) -> torch.Tensor:
+            """``out`` filled with tangent ``tangent_id`` of step k from ``offset`` of the stream."""
+            return _ops.fill_tangent_(out, self.seed, k.to(out.device), tangent_id, offset, distribution,
+                                      plan.tangent_backends[out.device])
+
+        def tangent_maker(tangent_id: int):
+            return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
+
+        if self.estimator == "activity":
+            return self._activity_step(plan, schedule, k, params, closure, fill, weight)
+        derivative = forward_grad.ENGINES[self.engine]
+        if self.tangents_in_one_pass and self.num_tangents > 1:
+            makers = [tangent_maker(t) for t in range(self.num_tangents)]
+            loss, coeffs = derivative.batched(self.module, params,
+                                              lambda j: torch.stack([make(j) for make in makers]), closure,
+                                              self.num_tangents)
+            coeffs = coeffs.reshape(-1).to(torch.float64)
+        else:
+            loss, coeffs = None, []
+            for tangent_id in range(self.num_tangents):
+                loss_t, c = derivative(self.module, params, tangent_maker(tangent_id), closure)
+                loss = loss_t if loss is None else loss
+                coeffs.append(c.reshape(()).to(torch.float64))
+            coeffs = torch.stack(coeffs)
+        if self._replicas is not None:
+            # every rank gets the same mean, non-finite on every rank if on one: they raise (or step) alike
+            coeffs = self._replicas.mean_coefficients(coeffs, weight)
+        self._coefficient_update(plan, schedule, k, coeffs, loss)
+        return loss
+
+    def _coefficient_update(self, plan: planning.Plan, schedule: list[torch.Tensor], k: torch.Tensor,
+                            coeffs: torch.Tensor, loss: torch.Tensor | None) -> None:
+        """What a step does after its forward passes: the update from the directional derivatives ``coeffs``
+        (float64, one per tangent)."""
+        if self.check_finite and not bool(torch.isfinite(coeffs).all()):
+            at_loss = "" if loss is None else f", loss {float(loss)}"
+            raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
+                             f"(values {coeffs.tolist()}{at_loss}); parameters and optimizer state were left "
+                             f"unchanged (check the closure and step size, or pass check_finite=False)")
+        self._apply(plan, schedule, k, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
+                    distribution=reference.DISTRIBUTIONS[self.tangent])
+        self._check_replicas(k)
+
+    @torch.no_grad()
+    def _update_from_coefficients(self, coeffs: torch.Tensor) -> None:
+        """step() without its forward passes: the plan, the schedule and the update from the directional
+        derivatives ``coeffs`` (float64, one per tangent). Benchmarks time the update alone through it
+        (bench/optimizer_step.py's afgfw_update, bench/step_overhead.py)."""
+        k = self._step_count_k + 1
+        plan = self._prepared()
+        self._coefficient_update(plan, self._schedules(plan, k), k, coeffs, None)
+
+    def _check_replicas(self, k: torch.Tensor) -> None:
+        """Every check_replicas_every steps, ``RuntimeError`` on every rank if the replicas' parameters differ."""
+        if self._replicas is not None and self.check_replicas_every and int(k) % self.check_replicas_every == 0:
+            self._replicas.check_identical([p for g in self.param_groups for p in g["params"]], int(k))
+
+    def _activity_step(self, plan: planning.Plan, schedule: list[torch.Tensor], k: torch.Tensor, params: list[torch.Tensor],
+                       closure, fill, weight: float):
+        """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
+        step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
+        loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
+                                                  self.tangents_in_one_pass, self.recompute_inputs)
+        if self._replicas is not None:
+            self._replicas.mean_dense_(list(grads.values()), weight)
+        if self.check_finite and not _ops.all_finite(list(grads.values())):
+            raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
+                             f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
+                             f"and step size, or pass check_finite=False)")
+        self._apply(plan, schedule, k, grads=functional.gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
+                    seed=0, distribution=0)
+        self._check_replicas(k)
+        return loss
+
+
+class FGFW(_ForwardGradientFrankWolfe):
+    r"""Projected forward-gradient Frank-Wolfe (the paper's Algorithm 1). No backward pass.
+
+    .. math::
+        u_k &\sim \mathcal N(0, I), \qquad \hat g_k = \langle \nabla f(\theta_k), u_k\rangle\, u_k \\
+        s_k &= \arg\min_{s \in C} \langle \hat g_k, s \rangle \\
+        \theta_{k+1} &= (1-\alpha_k)\,\theta_k + \alpha_k s_k
+
+    The directional derivative ``c = <grad f, u>`` comes from one forward-mode pass per tangent; with
+    ``num_tangents = K`` the estimate is the mean of K such terms. FGFW converges only to a neighbourhood
+    of the optimum (Theorem 1): its estimate's variance does not vanish. See :class:`AFGFW`.
+
+    Args:
+        module: the model the closure runs (its parameters are perturbed by the tangents).
+        params: the parameters or param groups to optimize (default: the module's trainable parameters).
+            Frozen ones (``requires_grad=False``) are left out with a warning: never perturbed nor updated.
+            Each group may bring its own ``constraint``, ``step_size`` (and, for AFGFW, ``averaging_weight``);
+            the K tangents run through all groups' parameters together (one directional derivative).
+        constraint: e.g. ``fgfw.L1Ball(radius=...)``.
+        step_size: alpha_k (default the paper's ``"2/(k+2)"``).
+        seed: seed of the tangent stream (default: drawn from torch's RNG). Same seed, same run.
+        tangent: ``"gaussian"`` (the paper) or ``"rademacher"``.
+        num_tangents: K tangents per step (K forward passes; the estimate is their mean).
+        tangents_in_one_pass: carry the K tangents through ONE forward pass (vmap over the lean JVP rules:
+            the primal is computed once, tangent memory grows with K). Not for modules that update buffers
+            in place (BatchNorm in train mode raises ``ValueError``).
+        engine: forward-mode engine from ``fgfw.forward_grad.ENGINES``: ``"lean"`` (default: just-in-time
+            tangents, lean rules) or ``"forward_ad"`` (torch's stock forward-mode AD, the reference).
+        backend, check_finite: as in :class:`FrankWolfe`; a non-finite directional derivative raises
+            ``ValueError`` and leaves parameters and state untouched.
+        estimator: ``"weight"`` (default, the paper's: tangents over the parameters) or ``"activity"``
+            (tangents over the outputs of the ``nn.Linear`` layers, see :mod:`fgfw.activity`: every
+            parameter must belong to an ``nn.Linear``, the closure must return per-example losses, e.g.
+            ``F.cross_entropy(logits, y, reduction="none")``, whose mean is minimised, and ``engine``
+            does not apply). Far lower variance; it keeps each linear layer's input during the pass.
+        recompute_inputs: with ``estimator="activity"``, keep no layer input through the forward-mode pass
+            and run the closure once more, plainly, to build the estimate layer by layer: memory of an
+            inference forward plus a parameter-sized estimate, for one extra forward. The closure must be
+            deterministic (no dropout in train mode); a second pass that differs raises ``ValueError``.
+        process_group: data parallelism over ``torch.distributed`` (see :mod:`fgfw.distributed`):
+            ``"auto"`` (default) uses the default group when torch.distributed is initialised with more
+            than one process; ``None`` never communicates; or a ``ProcessGroup``. At construction the
+            parameters are broadcast from the group's first rank and the seed is agreed (rank 0's; a rank
+            given another seed raises ``ValueError`` on every rank). Each step all-reduces the K directional
+            derivatives and the rank's batch weight (8 (K + 1) bytes; the activity estimator: its dense
+            estimate) and every rank applies the same update: the replicas stay bit-identical. Buffers
+            (e.g. BatchNorm statistics) are not synchronised.
+        rescale: as in :class:`FrankWolfe`.
+        check_replicas_every: with a process group, every this many steps compare a checksum of the
+            parameters' bits across ranks and raise ``RuntimeError`` naming the step if they differ
+            (0: never; each check is one small all-gather and a host read).
+    """
+
+    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,
+                 step_size: schedules.Schedule = "2/(k+2)", seed: int | None = None, tangent: str = "gaussian",
+                 num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
+                 check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
+                 recompute_inputs: bool = False, process_group: object = distributed.AUTO,
+                 check_replicas_every: int = 0, rescale: str | None = None):
+        super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
+                         tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
+                         check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator,
+                         recompute_inputs=recompute_inputs, process_group=process_group,
+                         check_replicas_every=check_replicas_every, rescale=rescale)
+        if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
+            # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
+            warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
+                          "|g_hat_i| is equal); use tangent='gaussian', num_tangents > 1, or AFGFW", stacklevel=2)
+
+
+class AFGFW(_ForwardGradientFrankWolfe):
+    r"""Averaged (variance-reduced) projected forward-gradient Frank-Wolfe (the paper's Algorithm 2).
+
+    .. math::
+        u_k &\sim \mathcal N(0, I), \qquad \hat g_k = \langle \nabla f(\theta_k), u_k\rangle\, u_k \\
+        v_k &= (1-\gamma_k)\, v_{k-1} + \gamma_k\, \hat g_k, \qquad v_0 = 0 \\
+        s_k &= \arg\min_{s \in C} \langle v_k, s \rangle \\
+        \theta_{k+1} &= (1-\alpha_k)\,\theta_k + \alpha_k s_k
+
+    Defaults are the paper's schedules, alpha_k = 1/k and gamma_k = 1/sqrt(k) (k counts steps from 1;
+    note alpha_1 = 1 replaces theta by a vertex at the first step). ``averaging_weight`` is gamma_k, the
+    weight of the NEW estimate (``v = (1 - gamma) v + gamma g_hat``; FrankWolfe's ``momentum`` rho is the
+    weight of the old one, rho = 1 - gamma); ``"4/(k+8)^(2/3)"`` is stochastic Frank-Wolfe's momentum rule
+    in this convention. The momentum v is kept in float32 for float16/bfloat16 parameters. Other arguments
+    as in :class:`FGFW`.
+    """
+
+    def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,
+                 step_size: schedules.Schedule = "1/k", averaging_weight: schedules.Schedule = "1/sqrt(k)",
+                 seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
+                 backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
+                 estimator: str = "weight", recompute_inputs: bool = False, process_group: object = distributed.AUTO,
+                 check_replicas_every: int = 0, rescale: str | None = None):
+        super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
+                         constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
+                         backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
+                         estimator=estimator, recompute_inputs=recompute_inputs, process_group=process_group,
+                         check_replicas_every=check_replicas_every, rescale=rescale)
+
+    _SCHEDULE_KEYS = ("step_size", "averaging_weight")
+
+    def _check_group_hyperparameters(self, group: dict) -> None:
+        super()._check_group_hyperparameters(group)
+        schedules.check_schedule(group["averaging_weight"], "averaging_weight")
+
+    def _schedule_key(self, group: dict) -> tuple:
+        return (settings.spec_key(group["step_size"]), settings.spec_key(group["averaging_weight"]))
+
+    def _uses_momentum(self, group: dict) -> bool:
+        return True
+
+    def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
+        return schedules.evaluate(group["averaging_weight"], k, "averaging_weight")
