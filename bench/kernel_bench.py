@@ -14,7 +14,9 @@ momentum: the gradient read, theta and v read and written, 20 B/param):
                 torch has no eager way to draw fgfw's tangent stream, so the eager step draws its
                 tangents with ``torch.randn`` each step (generated, written and read back: the cost a
                 user pays). Its LMO is torch.argmax per tensor, its gap a float32 torch.dot.
-* ``compile`` - ``torch.compile`` of that eager step (Inductor fuses the randn into its kernels).
+* ``compile`` - ``torch.compile`` of that eager step (Inductor fuses the randn into its kernels), with its
+                argmax in two stages (argmax_rows: Inductor runs an unsplit argmax over a row in one thread
+                block); the ``graphs`` column counts the graphs dynamo compiled for it (1: no recompilation).
 * ``copy``    - the roofline: a device-to-device copy of the bytes the step must move (the mode's
                 bytes per parameter above), measured in the same run.
 
@@ -130,11 +132,35 @@ def fused_step(group: Group, backend: str):
     return step
 
 
+ARGMAX_BLOCK = 4096
+
+
+def argmax_rows(a: torch.Tensor, blocked: bool) -> torch.Tensor:
+    """The index of the largest entry of each row of ``a`` (the lowest on ties), shape (rows, 1).
+
+    blocked=True: in two stages, the largest of each block of ARGMAX_BLOCK entries, then the best block.
+    Inductor never splits an argmax over blocks (torch/_inductor/ir.py, num_splits: arg reductions are not split
+    reductions), so torch.compile of torch.argmax over one row of 1e8 entries runs in ONE thread block: 85 ms on
+    an H200, 47x eager. The blocked form gives it a reduction it spreads over the GPU (the compile rows)."""
+    n = a.shape[1]
+    if not blocked or n < 2 * ARGMAX_BLOCK:
+        return torch.argmax(a, dim=1, keepdim=True)
+    whole = n - n % ARGMAX_BLOCK
+    values, within = a[:, :whole].reshape(a.shape[0], -1, ARGMAX_BLOCK).max(dim=2)
+    block = torch.argmax(values, dim=1, keepdim=True)
+    best, i = torch.gather(values, 1, block), block * ARGMAX_BLOCK + torch.gather(within, 1, block)
+    if whole < n:  # the tail, shorter than a block: it wins only if strictly larger (it comes last)
+        tail_value, tail_index = a[:, whole:].max(dim=1, keepdim=True)
+        i = torch.where(tail_value > best, tail_index + whole, i)
+    return i
+
+
 def eager_step(params, moms, grads, coeffs: list[float], radii: list[float], alpha: float, gamma: float,
-               rows: bool):
+               rows: bool, blocked_argmax: bool = False):
     """The step in per-tensor torch ops (AFGFW with moms, FW with grads, else FGFW); returns the gap.
 
-    rows=True: one ball per row of each matrix, its argmax a per-row reduction (vectorised over rows)."""
+    rows=True: one ball per row of each matrix, its argmax a per-row reduction (vectorised over rows).
+    blocked_argmax: the argmax in two stages (argmax_rows), as the compile rows take it."""
     gap = params[0].new_zeros(())
     for t, (p, r) in enumerate(zip(params, radii)):
         if grads:
@@ -151,7 +177,7 @@ def eager_step(params, moms, grads, coeffs: list[float], radii: list[float], alp
         by_row = rows and p.dim() >= 2
         # one ball per row of a matrix (rows=True), else the whole tensor as one row
         d2, p2 = (d.view(d.shape[0], -1), p.view(p.shape[0], -1)) if by_row else (d.view(1, -1), p.view(1, -1))
-        i = torch.argmax(d2.abs(), dim=1, keepdim=True)
+        i = argmax_rows(d2.abs(), blocked_argmax)
         d_i = torch.gather(d2, 1, i)
         gap = gap + torch.sum(d2 * p2) + r * d_i.abs().sum()
         p.mul_(1 - alpha)
@@ -165,8 +191,15 @@ def torch_step(group: Group, compiled: bool):
     fn = torch.compile(eager_step) if compiled else eager_step
 
     def step():
-        fn(group.params, group.moms, group.grads, coeffs, group.radii, alpha, gamma, group.rows)
+        fn(group.params, group.moms, group.grads, coeffs, group.radii, alpha, gamma, group.rows, compiled)
+    # the graphs dynamo compiles from here on (make_row: compiled_graphs): recompilations would show there
+    step.graphs_before = _compiled_graphs() if compiled else None
     return step
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def copy_step(group: Group, mode: str):
@@ -248,14 +281,17 @@ def make_step(backend: str, group: Group, device: str, mode: str):
     return copy_step(group, mode)
 
 
-def make_row(device, case, mode, backend, samples) -> dict:
+def make_row(device, case, mode, backend, samples, step=None) -> dict:
     """One CSV row: a case's time (median and best of samples, seconds) on one backend; the ratios to the
-    copy, eager and compile rows of the same case are filled in by add_ratios."""
+    copy, eager and compile rows of the same case are filled in by add_ratios. compiled_graphs (compile rows):
+    the graphs dynamo compiled for the step, warm-up and timed calls together (1 means no recompilation)."""
     seconds = statistics.median(samples)
+    graphs = getattr(step, "graphs_before", None)
     return dict(device=machine(device), code=CODE, case=case.name, mode=mode, tangents=case.tangents,
                 params=case.numel, tensors=len(case.shapes), bytes_per_param=MODES[mode][2], backend=backend,
                 median_ms=seconds * 1e3, best_ms=min(samples) * 1e3,
-                gbps=case.numel * MODES[mode][2] / seconds / 1e9)
+                gbps=case.numel * MODES[mode][2] / seconds / 1e9,
+                compiled_graphs="" if graphs is None else _compiled_graphs() - graphs)
 
 
 def add_ratios(rows) -> None:
@@ -283,15 +319,15 @@ class Case:
 
 
 def time_case_alone(case, device, mode, backend, min_time, warmup):
-    """Seconds per step of one backend on one case, its group alone on the device, or None (the failure
+    """The row (make_row) of one backend on one case, its group alone on the device, or None (the failure
     printed) if it fails."""
     # compile's first calls compile (and may recompile once): keep them out of the timing
     warmup = max(warmup, 3) if backend == "compile" else warmup
     try:
         step = make_step(backend, case.group(device, mode), device, mode)
-        if device == "cuda":
-            return time_gpu(step, min_time, warmup)
-        return time_cpu({backend: step}, min_time, warmup)[backend]
+        samples = (time_gpu(step, min_time, warmup) if device == "cuda"
+                   else time_cpu({backend: step}, min_time, warmup)[backend])
+        return make_row(device, case, mode, backend, samples, step)
     except (RuntimeError, ValueError, NotImplementedError) as exc:  # reported, and the run goes on
         print(f"FAILED {case.name} {mode} K={case.tangents} {backend}: {type(exc).__name__}: "
               f"{str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -303,15 +339,15 @@ def time_case_alone(case, device, mode, backend, min_time, warmup):
 
 def markdown(rows) -> str:
     lines = ["| case | mode | K | params | tensors | backend | median (ms) | best (ms) | GB/s | of copy | vs eager | "
-             "vs compile |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "vs compile | graphs |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         def num(x, fmt):
             return "" if isinstance(x, float) and math.isnan(x) else format(x, fmt)
         lines.append(f"| {r['case']} | {r['mode']} | {r['tangents']} | {r['params']:.3g} | {r['tensors']} | "
                      f"{r['backend']} | {num(r['median_ms'], '.4g')} | {num(r['best_ms'], '.4g')} | "
                      f"{num(r['gbps'], '.1f')} | {num(r['frac_copy'], '.0%')} | "
-                     f"{num(r['vs_eager'], '.2f')} | {num(r['vs_compile'], '.2f')} |")
+                     f"{num(r['vs_eager'], '.2f')} | {num(r['vs_compile'], '.2f')} | {r.get('compiled_graphs', '')} |")
     return "\n".join(lines)
 
 
@@ -469,9 +505,9 @@ def main(argv=None):
                     continue
                 if out_of_time(f"{case.name} {mode} K={case.tangents} {backend}"):
                     continue
-                samples = time_case_alone(case, device, mode, backend, min_time, args.warmup)
-                if samples is not None:
-                    record([make_row(device, case, mode, backend, samples)])
+                row = time_case_alone(case, device, mode, backend, min_time, args.warmup)
+                if row is not None:
+                    record([row])
     else:
         # The CPU times every backend of a case round-robin (time_cpu), so that a shared machine's load
         # falls on all of them alike.
@@ -482,7 +518,7 @@ def main(argv=None):
             warmup = max(args.warmup, 3) if "compile" in case_backends else args.warmup
             steps = {b: make_step(b, case.group(device, mode), device, mode) for b in case_backends}
             times = time_cpu(steps, min_time, warmup)
-            record([make_row(device, case, mode, b, samples) for b, samples in times.items()])
+            record([make_row(device, case, mode, b, samples, steps[b]) for b, samples in times.items()])
 
     figure = args.figure or HERE / "figures" / f"kernel_{device}.png"
     if str(figure) != "none":

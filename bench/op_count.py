@@ -12,7 +12,8 @@ and metadata ops count too: each is a dispatcher round trip on the host.
 
 Methods: bench/optimizer_step.py's, by the same names: ``adamw_fused`` and ``adamw_foreach`` (torch.optim.AdamW),
 ``fw_readme_groups`` (FrankWolfe with the README's groups: L1 row balls on the weights, unconstrained biases and
-norms, an L-infinity ball on the embeddings) and ``fw_l1`` (one L1 ball per tensor over every tensor).
+norms, an L-infinity ball on the embeddings), ``fw_l1`` (one L1 ball per tensor over every tensor) and
+``afgfw_update`` (AFGFW with the README's groups: its step after the forward pass).
 """
 from __future__ import annotations
 
@@ -44,22 +45,20 @@ def gpt2(layers: int, width: int):
                                torch.device("cpu"))
 
 
-METHODS = ("adamw_fused", "adamw_foreach", "fw_readme_groups", "fw_l1")
+METHODS = ("adamw_fused", "adamw_foreach", "fw_readme_groups", "fw_l1", "afgfw_update")
 
 
 def count(method: str, layers: int, width: int) -> collections.Counter:
     model = gpt2(layers, width)
-    opts = optimizer_step.make_optimizers(method, model)
     gen = torch.Generator().manual_seed(1)
     for p in model.parameters():
         p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+    case = optimizer_step.Case(method, model, torch.device("cpu"))
     for _ in range(2):
-        for opt in opts:
-            opt.step()
+        case.step()
     counter = OpCounter()
     with counter:
-        for opt in opts:
-            opt.step()
+        case.step()
     return counter.ops
 
 
@@ -73,14 +72,14 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=0, help="print the most frequent ops of each fgfw row")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"| method | " + " | ".join(f"{n} layers" for n in args.layers) + " |")
+    print("| method | " + " | ".join(f"{n} layers" for n in args.layers) + " |")
     print("|---|" + "---:|" * len(args.layers))
     failures = []
     for method in args.methods:
         counts = [count(method, n, args.width) for n in args.layers]
         totals = [sum(c.values()) for c in counts]
         print(f"| {method} | " + " | ".join(str(t) for t in totals) + " |", flush=True)
-        if method.startswith("fw"):
+        if method.startswith(("fw", "afgfw")):
             if args.top:
                 print("    " + ", ".join(f"{op} {k}" for op, k in counts[-1].most_common(args.top)))
             if args.max_ops is not None and (max(totals) > args.max_ops or len(set(totals)) > 1):

@@ -139,6 +139,13 @@ if [ "$phase" = key ]; then
     backends=copy,eager,fused
     extra=(--model-width 0)
   fi
+  # issue 29's whole-step rows first (GPT-2 small and one 1e8 tensor, fgfw against AdamW and Muon)
+  step_bench=(python3 bench/optimizer_step.py --device cuda --preset gpt2 --warmup 2 --repeats 7)
+  [ -n "$dry" ] && step_bench=(python3 bench/optimizer_step.py --device cpu --preset quick --warmup 1 --repeats 2)
+  python3 -c "import transformers" 2>/dev/null || step_bench+=(--methods)  # without it: the one-tensor rows only
+  run "optimizer step benchmark" 90 "${step_bench[@]}" --out "$out/optimizer_step_gpu.csv" \
+    >"$out/optimizer_step_gpu.log" 2>&1
+  grep -E "^(\||[a-z_0-9]+:)|Error" "$out/optimizer_step_gpu.log" | tee -a "$summary"
   mkdir -p "$root/.gpu"
   if command -v nvcc >/dev/null && run "gaussian_roof build" 40 nvcc -O3 -std=c++17 -arch=sm_90 -I csrc \
       bench/gaussian_roof.cu -o "$root/.gpu/gaussian_roof" >"$out/gaussian_roof.txt" 2>&1 && [ -z "$dry" ]; then

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,17 +103,21 @@ def test_finetune_mnist_quick(tmp_path):
     assert (tmp_path / "finetune_mnist.png").stat().st_size > 0
 
 
+@needs("transformers")
 def test_optimizer_step_quick(tmp_path):
-    """bench/optimizer_step.py at its smallest: every method's row is written, AdamW's ratio is 1 and every step
-    took time (the numbers themselves belong to bench/RESULTS.md, not to a test)."""
+    """bench/optimizer_step.py at its smallest: every method's row is written for both models, under issue 29's
+    names, AdamW(fused)'s ratio is 1 and every step took time (the numbers themselves belong to bench/RESULTS.md,
+    not to a test)."""
     out_csv = tmp_path / "optimizer_step.csv"
     run("bench/optimizer_step.py", "--preset", "quick", "--repeats", "2", "--warmup", "1", "--out", str(out_csv))
     with open(out_csv, newline="") as f:
-        rows = {r["method"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"adamw", "muon", "fw_l1", "fw_scion", "fw_scion_unbatched", "fw_scion_batched",
-                         "fw_scion_bf16", "fw_scion_bf16_5"}
-    assert float(rows["adamw"]["x_adamw"]) == 1.0
-    assert all(float(r["ms_per_step"]) > 0 for r in rows.values())
+        rows = {(r["model"], r["method"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("gpt2_quick", m) for m in ("adamw_fused", "adamw_foreach", "muon", "fw_readme_groups",
+                                                     "fw_l1", "fw_scion", "fw_scion_f32", "fw_scion_unbatched",
+                                                     "afgfw_update")} | \
+        {("single_1e5", m) for m in ("copy", "adamw_fused", "adamw_foreach", "fw_l1", "fw_l1_unchecked")}
+    assert all(float(r["x_adamw_fused"]) == 1.0 for (_, m), r in rows.items() if m == "adamw_fused")
+    assert all(float(r["median_ms"]) > 0 and r["device"] == "cpu" for r in rows.values())
 
 
 def test_lm_quick(tmp_path):
@@ -132,3 +137,35 @@ def test_lm_extra_grid_quick():
               "muon", '{"lr": 0.001}')
     values = [float(line.split("val ")[1].split()[0]) for line in out.splitlines() if line.startswith("extra")]
     assert len(values) == 2 and all(0 < v < 10 for v in values), out
+
+
+@needs("transformers")
+def test_op_count_of_a_step_does_not_grow_with_depth():
+    """Issue 29: one FrankWolfe step on Hugging Face GPT-2 dispatches at most 30 aten ops, the same number with 2
+    and 12 layers, with the README's param groups and with one L1 ball per tensor (bench/op_count.py's gate);
+    AFGFW's update the same number at both depths too. Before the unconstrained groups stepped in multi-tensor ops,
+    the README's groups took 225 and 1,105, and AFGFW drew a tangent per tensor."""
+    out = run("bench/op_count.py", "--methods", "fw_readme_groups", "fw_l1", "--layers", "2", "12", "--max-ops", "30")
+    assert "| fw_readme_groups |" in out and "| fw_l1 |" in out
+    # AFGFW's update after its forward pass: its unconstrained groups' tangents drawn per run, not per tensor
+    out = run("bench/op_count.py", "--methods", "afgfw_update", "--layers", "2", "12", "--max-ops", "50")
+    assert "| afgfw_update |" in out
+
+
+def test_kernel_bench_blocked_argmax_is_torch_argmax():
+    """The compile rows' two-stage argmax (bench/kernel_bench.py, argmax_rows) picks torch.argmax's index, the
+    lowest on ties, in the last whole block, the tail and across blocks."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import kernel_bench
+    finally:
+        sys.path.pop(0)
+    block = kernel_bench.ARGMAX_BLOCK
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 2 * block - 1, 2 * block, 3 * block, 3 * block + 7, 100_003):
+        cases = [torch.rand(3, n, generator=gen), torch.zeros(3, n)]
+        cases[1][0, -1] = 1  # in the tail (or the last block)
+        cases[1][1, n // 2] = cases[1][1, -1] = 1  # a tie: the lower index
+        cases[1][2, 0] = cases[1][2, block if n > block else 1] = 1  # a tie across blocks
+        for a in cases:
+            assert torch.equal(kernel_bench.argmax_rows(a, True), torch.argmax(a, 1, keepdim=True)), n

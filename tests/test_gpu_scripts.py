@@ -3,6 +3,7 @@ commands of scripts/gpu_check.sh as a dry run (GPU_CHECK_DRY_RUN=1: each step's 
 the sanitizer's script calling the set steps without an argument their schema had gained since, so that
 compute-sanitizer never reached a kernel; here that breaks CI instead.
 """
+import importlib.util
 import os
 import re
 import shutil
@@ -44,6 +45,10 @@ def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
     if phase == "key":
         assert "== kernel benchmark: exit 0" in summary, summary
         assert (tmp_path / "kernel_gpu.csv").exists()
+        assert "== optimizer step benchmark: exit 0" in summary, summary
+        models = {line.split(",")[1] for line in (tmp_path / "optimizer_step_gpu.csv").read_text().splitlines()[1:]}
+        assert models == ({"gpt2_quick", "single_1e5"} if importlib.util.find_spec("transformers") else
+                          {"single_1e5"}), models
     else:
         for part in ("cuda", "triton"):
             log = (tmp_path / f"tests_{part}.log").read_text()
