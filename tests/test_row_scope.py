@@ -48,8 +48,12 @@ def test_relative_radii_are_per_row_and_feasible():
     assert radii[0] == pytest.approx([1.5 * float(row.abs().sum()) for row in weight])
     assert radii[1] == pytest.approx([1.5 * float(model[0].bias.detach().abs().sum())])
     small = mlp()
-    with pytest.warns(UserWarning, match="rescaled"):
+    with pytest.warns(UserWarning, match="rescaled") as record:
         fgfw.FrankWolfe(small.parameters(), constraint=fgfw.L1Ball(radius=0.1, scope="row"))
+    # one warning that counts the balls moved, not one per row
+    rescaled = [str(w.message) for w in record if "rescaled" in str(w.message)]
+    outside = sum(int((p.detach().abs().sum(-1) > 0.1).sum()) for p in mlp().parameters())  # rows, and biases
+    assert len(rescaled) == 1 and f"the first of {outside} balls of the 10 (row scope)" in rescaled[0], rescaled
     # each row of each weight, and each bias, is rescaled into its own ball
     assert small[0].weight.detach().abs().sum(1) == pytest.approx([0.1] * 5)
     assert float(small[2].bias.detach().abs().sum()) == pytest.approx(0.1)

@@ -389,12 +389,13 @@ class Constraint:
 
     def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float],
                        what: str = "initial parameters") -> None:
-        """Moves an infeasible start into the set (with a warning beyond rounding, which calls the tensors
-        ``what``); feasible parameters are untouched."""
+        """Moves an infeasible start into the set (with one warning beyond rounding, which calls the tensors
+        ``what`` and counts the balls moved); feasible parameters are untouched."""
         if self.scope == "row":
             params = [row for p in params for row in self.rows(p)]
             radii = [r for per_tensor in radii for r in per_tensor]
         groups = [list(params)] if self.global_ball else [[p] for p in params]
+        moved = []
         for tensors, r in zip(groups, radii):
             excess = self._excess(tensors, r)
             if not excess:
@@ -404,7 +405,12 @@ class Constraint:
             # an excess within rounding (e.g. a radius set from these very weights) is removed silently, and so
             # is the shrink that relative_to_init(scale < 1) asks for
             if excess > 1e-6 and not self._shrinks_by_rule():
-                warnings.warn(self._moved_message(before, r, tensors, what), stacklevel=_user_stacklevel())
+                moved.append((before, r, tensors))
+        if moved:  # one warning for all the balls (a row ball per row: thousands in a model)
+            message = self._moved_message(*moved[0], what)
+            if len(moved) > 1:
+                message += f" [the first of {len(moved)} balls of the {len(groups)} ({self.scope} scope) moved]"
+            warnings.warn(message, stacklevel=_user_stacklevel())
 
     def _shrinks_by_rule(self) -> bool:
         """Whether the radius rule itself puts the initial point outside the ball: relative_to_init(scale < 1)."""
