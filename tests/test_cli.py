@@ -1,15 +1,18 @@
-"""End to end: `fgfw reproduce` and `fgfw demo` on the digits for one epoch, outputs checked for sane values."""
+"""End to end: `fgfw reproduce` and `fgfw demo` on the digits for one epoch, outputs checked for sane values; the
+demo's whole configuration against the table the README and docs show."""
 import csv
 import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from fgfw import cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_csv(path):
@@ -313,3 +316,37 @@ def test_version_prints_the_package_version(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"fgfw {fgfw.__version__}"
+
+
+SUMMARY_ROW = re.compile(r"^(FW|FGFW|AFGFW) +([\d.]+)% +([\d.]+)\b")
+
+
+def _documented_demo_table(path: Path) -> dict[str, tuple[str, str]]:
+    """{method: (test accuracy, final loss)} as the file's copy of the demo's final table prints them."""
+    rows = {}
+    lines = path.read_text().splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("method   test acc  final loss"))
+    for line in lines[header + 1:header + 4]:
+        match = SUMMARY_ROW.match(line)
+        assert match, (path, line)
+        rows[match[1]] = (match[2], match[3])
+    return rows
+
+
+def test_the_demo_prints_the_table_the_docs_show(tmp_path, capsys):
+    """The demo's whole configuration (30 epochs, seed 0; about 40 s) ends with the final table that the README
+    and docs/reproduction.md show: accuracies and losses as printed, digit for digit. The docs once kept a table
+    from before a change of the step (issue 32)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        cli.main(["demo", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(before)  # the demo trains on one thread
+    printed = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(printed) if line.startswith("method   test acc  final loss"))
+    got = {m[1]: (m[2], m[3]) for m in map(SUMMARY_ROW.match, printed[header + 1:header + 4]) if m}
+    assert set(got) == {"FW", "FGFW", "AFGFW"}, printed[header:]
+    for doc in (ROOT / "README.md", ROOT / "docs" / "reproduction.md"):
+        assert _documented_demo_table(doc) == got, doc
