@@ -155,3 +155,25 @@ def test_the_forward_gradient_step_is_the_reference_bit_for_bit(dtype, freeze_on
                                  coeffs * k / 2, offsets, 3, reference.RADEMACHER)
     for p, t in zip(stepped, theta):
         assert torch.equal(p.detach(), t.to(dtype)), (p, t)
+
+
+@pytest.mark.parametrize("num_tangents", [1, 3])
+def test_the_forward_gradient_update_compiles_to_eager_bits(num_tangents):
+    """AFGFW's update of unconstrained groups under torch.compile(fullgraph=True) gives eager's bits, with one
+    tangent and with several. With several, a tangent buffer refilled for the next tangent was read by Inductor
+    after the refill (the first tangent's term fused into a later kernel): the compiled update drew the last
+    tangent K times. Each tangent now has a buffer of its own."""
+    coeffs = torch.tensor([0.5, -0.25, 0.125][:num_tangents], dtype=torch.float64)
+    runs = []
+    for compiled in (False, True):
+        model = _model()
+        groups = fgfw.param_groups(model, weights=fgfw.L1Ball.relative_to_init(2.0), biases=None, norms=None)
+        opt = fgfw.AFGFW(model, params=groups, constraint=fgfw.L1Ball(radius=1.0), seed=0, tangent="rademacher",
+                         num_tangents=num_tangents, check_finite=False, backend="cpu")
+        update = torch.compile(opt._update_from_coefficients, fullgraph=True) if compiled \
+            else opt._update_from_coefficients
+        for k in range(1, 4):
+            update(coeffs * k)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

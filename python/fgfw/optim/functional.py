@@ -96,9 +96,11 @@ def run_forward_gradients(call: Call, coeffs: torch.Tensor, k: torch.Tensor, see
     out: list[torch.Tensor] = []
     cs = coeffs.to(call.dtype).unbind()
     for first, sizes in call.runs:
-        buffer = torch.empty(sum(sizes), dtype=torch.float32, device=call.device)
         g = None
         for t, c in enumerate(cs):
+            # a buffer per tangent: under torch.compile a refilled buffer was read after its refill (Inductor fused
+            # the first tangent's term into a later kernel), and every term drew the last tangent
+            buffer = torch.empty(sum(sizes), dtype=torch.float32, device=call.device)
             u = _ops.fill_tangent_(buffer, seed, k.to(call.device), t, first, distribution, call.backend)
             u = u if call.dtype == torch.float32 else u.to(call.dtype)
             term = torch._foreach_mul(list(u.split(sizes)[::2]), c)  # the tensors, not the padding between
