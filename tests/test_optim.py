@@ -258,7 +258,7 @@ def test_bad_parameters_are_named():
         fgfw.FrankWolfe([torch.zeros(3), torch.zeros(3, device="meta")], constraint=fgfw.L1Ball(radius=1.0))
     with pytest.raises(ValueError, match="momentum"):
         fgfw.FrankWolfe([torch.zeros(3)], constraint=fgfw.L1Ball(radius=1.0), momentum=1.0)
-    with pytest.raises(TypeError, match="constraint"):
+    with pytest.raises(TypeError, match="constraint"), pytest.warns(UserWarning, match="frozen"):
         fgfw.FrankWolfe([torch.zeros(3)], constraint=1.0)
     with pytest.raises(TypeError, match="module"):
         fgfw.AFGFW(mlp().parameters(), constraint=fgfw.L1Ball(radius=1.0))
