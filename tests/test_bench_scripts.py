@@ -89,7 +89,7 @@ def test_finetune_mnist_quick(tmp_path):
     with open(tmp_path / "finetune_mnist.csv", newline="") as f:
         ends = list(csv.DictReader(f))
     methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
-               "afgfw_activity_centred"}
+               "afgfw_activity_centred", "fgfw_centred"}
     # one selection run per method (one step size in --quick), then one seed at each budget
     assert sorted(e["phase"] for e in ends) == sorted(["select", "passes", "seconds"] * len(methods))
     for e in ends:
