@@ -126,14 +126,51 @@ void check_fw_step_args(const char* op, at::TensorList params, at::TensorList mo
 
   TORCH_CHECK(schedule.device() == device, op, ": schedule must be on ", device,
               " like the params, got ", schedule.device());
-  TORCH_CHECK(schedule.scalar_type() == at::kDouble && schedule.numel() == 3 && schedule.is_contiguous(),
-              op, ": schedule must be a contiguous float64 tensor (step, alpha, gamma) of 3 elements, "
-              "got ", schedule.scalar_type(), " of shape ", schedule.sizes());
+  check_schedule(op, schedule);
   TORCH_CHECK(gap.device() == device, op, ": gap must be on ", device, " like the params, got ",
               gap.device());
   TORCH_CHECK(gap.scalar_type() == at::kDouble && gap.numel() == 1,
               op, ": gap must be a float64 tensor of one element, got ", gap.scalar_type(), " of shape ",
               gap.sizes());
+}
+
+void check_schedule(const char* op, const at::Tensor& schedule) {
+  TORCH_CHECK(schedule.scalar_type() == at::kDouble && (schedule.numel() == 3 || schedule.numel() == 4) &&
+                  schedule.is_contiguous(),
+              op, ": schedule must be a contiguous float64 tensor (step, alpha, gamma) or (step, alpha, gamma, "
+              "skip), got ", schedule.scalar_type(), " of shape ", schedule.sizes());
+}
+
+void check_gradient_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                              const at::Tensor& schedule) {
+  const char* const op = "gradient_step_";
+  const size_t n = params.size();
+  const c10::Device device = n ? params[0].device() : schedule.device();
+  TORCH_CHECK(momentum.empty() || momentum.size() == n,
+              op, ": momentum must be empty (no momentum) or hold one tensor per parameter (", n,
+              "), got ", momentum.size());
+  TORCH_CHECK(grads.size() == n, op, ": grads must hold one direction per parameter (", n, "), got ",
+              grads.size());
+  TORCH_CHECK(schedule.device() == device, op, ": schedule must be on ", device,
+              " like the params, got ", schedule.device());
+  check_schedule(op, schedule);
+  if (n == 0) return;
+  const at::ScalarType dtype = params[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              op, ": params must be float32 or float64 (the compute dtype: a half parameter steps its float32 "
+              "master copy), got ", dtype);
+  for (size_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    TORCH_CHECK(p.device() == device, op, ": params[", t, "] is on ", p.device(),
+                " but params[0] is on ", device, " (one call per device)");
+    TORCH_CHECK(p.scalar_type() == dtype, op, ": params[", t, "] has dtype ", p.scalar_type(),
+                " but params[0] has ", dtype, " (one call per dtype)");
+    TORCH_CHECK(p.is_contiguous(), op, ": params[", t, "] must be contiguous");
+    if (!momentum.empty()) {
+      check_companion(op, "momentum", t, momentum[t], p, dtype, "the params' dtype");
+    }
+    check_companion(op, "grads", t, grads[t], p, dtype, "the params' dtype");
+  }
 }
 
 void check_scales(const char* op, at::TensorList params, at::TensorList scales, bool global_ball,

@@ -27,6 +27,15 @@ void check_fw_step_args(const char* op, at::TensorList params, at::TensorList mo
                         bool global_ball, c10::IntArrayRef offsets, int64_t distribution, const at::Tensor& gap,
                         c10::IntArrayRef row_numel);
 
+// The schedule of every step: a contiguous float64 tensor (step, alpha, gamma) or (step, alpha, gamma, skip);
+// a step whose skip is not 0 writes nothing but NaN into its gap (reference.schedule_values).
+void check_schedule(const char* op, const at::Tensor& schedule);
+
+// gradient_step_'s arguments: float32 or float64 params (the compute dtype), momentum empty or one per param,
+// one direction per param, all of the params' dtype, device and numel, contiguous.
+void check_gradient_step_args(at::TensorList params, at::TensorList momentum, at::TensorList grads,
+                              const at::Tensor& schedule);
+
 // The norm feedback's state of lp_fw_step_ and ksparse_fw_step_: empty, or float64 tensors on the params' device,
 // contiguous, one per parameter with one element per ball of it (one tensor of one element for the global ball).
 void check_scales(const char* op, at::TensorList params, at::TensorList scales, bool global_ball,

@@ -11,7 +11,8 @@ TORCH_LIBRARY(fgfw, m) {
   m.def("fill_tangent_at_step_(Tensor(a!) out, int seed, Tensor step, int tangent_id, int offset, "
         "int distribution) -> ()");
   // One fused Frank-Wolfe step over L1 ball(s) for a group of same-device, same-dtype tensors.
-  // schedule: float64 (step, alpha, gamma) on the params' device; tangent_coeffs: float64 [K];
+  // schedule: float64 (step, alpha, gamma) or (step, alpha, gamma, skip) on the params' device, read there (a
+  // step with skip != 0 writes nothing but NaN into gap: the optimizers' deferred finite check); tangent_coeffs: float64 [K];
   // grads empty -> forward gradient from the tangent stream; momentum empty -> no momentum;
   // gap: float64 scalar, receives the Frank-Wolfe gap. row_numel: per tensor, 0 (the tensor is one
   // ball) or the length of its row balls (scope "row"); empty = all 0. radii: one per ball, in order.
@@ -41,6 +42,10 @@ TORCH_LIBRARY(fgfw, m) {
       "ksparse_fw_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule, "
       "Tensor tangent_coeffs, float[] radii, bool global_ball, int[] offsets, int seed, int distribution, "
       "Tensor(c!) gap, int[] row_numel, int k, Tensor(d!)[] scales) -> ()");
+  // The step of an unconstrained param group (reference.gradient_step_) from given directions (grads): with
+  // momentum, v <- (1 - gamma) v + gamma g and d = v, else d = g; then theta <- theta - alpha d, each product and
+  // sum rounded in the params' dtype (float32 or float64), in one multi-tensor pass. Skipped as the steps above.
+  m.def("gradient_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule) -> ()");
   // Whether every element of every tensor is finite (the optimizers' check_finite). CPU kernel only.
   m.def("all_finite(Tensor[] tensors) -> bool");
 }

@@ -248,12 +248,25 @@ def direction(param: torch.Tensor, grad: torch.Tensor | None, tangent_coeffs: to
     return g
 
 
+def schedule_values(schedule: torch.Tensor) -> tuple[int, float, float, bool]:
+    """A step's schedule: a float64 tensor (step k, alpha_k, gamma_k) or (step k, alpha_k, gamma_k, skip), read
+    on the host. ``skip`` != 0 makes the step write nothing (parameters, momentum and scales keep their bits) but
+    NaN into the gap: the optimizers set it on the device when a direction is not finite, so that no step has
+    to wait for the host to decide (found_inf in torch's fused optimizers)."""
+    values = schedule.tolist()
+    if len(values) not in (3, 4):
+        raise ValueError(f"schedule must hold (step, alpha, gamma) or (step, alpha, gamma, skip), got {len(values)} "
+                         f"values")
+    step, alpha, gamma = values[:3]
+    return int(step), float(alpha), float(gamma), len(values) == 4 and values[3] != 0
+
+
 def _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
                 row_numel) -> tuple[float, list[tuple[int, int, int]], list[torch.Tensor]]:
     """What every step does before its LMO: checks the balls and radii, and returns (alpha, the balls, each
-    tensor's direction d, flat in the compute dtype), with the momentum updated in place (d = v then)."""
-    step, alpha, gamma = (float(x) for x in schedule.tolist())
-    step = int(step)
+    tensor's direction d, flat in the compute dtype), with the momentum updated in place (d = v then). On a
+    skipped step (``skip_step``) the directions are None and nothing was written."""
+    step, alpha, gamma, skip = schedule_values(schedule)
     if not grads and len(offsets) != len(params):
         # tensors sharing offset 0 would share tangent values: a biased estimate, never what is meant
         raise ValueError(f"offsets must give each of the {len(params)} params its stream offset for the forward "
@@ -261,6 +274,8 @@ def _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global
     balls = ball_layout([p.numel() for p in params], global_ball, row_numel)
     if len(radii) != (1 if global_ball else len(balls)):
         raise ValueError(f"radii must hold one radius per ball ({1 if global_ball else len(balls)}), got {len(radii)}")
+    if skip:
+        return alpha, balls, None
     directions = []
     for t, p in enumerate(params):
         cdt = compute_dtype(p.dtype)
@@ -281,7 +296,8 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
                 gap: torch.Tensor, row_numel: Sequence[int] = ()) -> None:
     """One Frank-Wolfe step over the L1 ball(s), in place. The spec of the fused kernels (docs/fused_step.md).
 
-    * ``schedule`` = float64 tensor (step k, alpha_k, gamma_k).
+    * ``schedule`` = float64 tensor (step k, alpha_k, gamma_k) or (step k, alpha_k, gamma_k, skip): a step with
+      skip != 0 writes nothing but NaN into ``gap`` (schedule_values).
     * direction g: ``grads[t]`` if grads are given (backprop FW), else the forward gradient
       sum_k tangent_coeffs[k] * u_k regenerated from (seed, step, k, offsets[t] + j).
     * momentum given: v = (1 - gamma) v + gamma g, d = v (AFGFW / FW with momentum); else d = g (FGFW).
@@ -298,6 +314,9 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     """
     alpha, balls, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball,
                                            offsets, seed, distribution, row_numel)
+    if directions is None:  # a skipped step
+        gap.fill_(math.nan)
+        return
     total_gap = 0.0
     olds, news = [], []
     for t, p in enumerate(params):
@@ -473,6 +492,9 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     """
     alpha, balls, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball,
                                            offsets, seed, distribution, row_numel)
+    if directions is None:  # a skipped step
+        gap.fill_(math.nan)
+        return
     # the vertex of every ball, at the old theta, in float64 (before, a float32 ball's vertex was rounded to
     # float32 before the gap used it: the gap missed the L1 step's, r |d_i*| with r exact, by ~1e-8 relative;
     # the global ball was computed in float64 already)
@@ -866,14 +888,16 @@ def l1_lmo(direction: torch.Tensor, radius: float) -> torch.Tensor:
 
 
 def gradient_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   schedule: torch.Tensor, tangent_coeffs: torch.Tensor, offsets: Sequence[int], seed: int,
-                   distribution: int) -> None:
+                   schedule: torch.Tensor, tangent_coeffs: torch.Tensor | None = None, offsets: Sequence[int] = (),
+                   seed: int = 0, distribution: int = 0) -> None:
     """The step of an unconstrained param group (``constraint=None``), in place: the direction d of
     :func:`l1_fw_step_` (the gradient or forward-gradient estimate, through the momentum when there is one),
     then ``theta <- theta - alpha_k d`` in the compute dtype: (stochastic) gradient descent with the group's
     step size as its learning rate. It has no vertex and adds nothing to the Frank-Wolfe gap."""
     alpha, _, directions = _directions(params, momentum, grads, schedule, tangent_coeffs, [1.0] * len(params), False,
                                        offsets, seed, distribution, ())
+    if directions is None:  # a skipped step
+        return
     for p, d in zip(params, directions):
         cdt = compute_dtype(p.dtype)
         theta = p.reshape(-1).to(cdt)
