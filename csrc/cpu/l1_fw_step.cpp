@@ -1021,6 +1021,10 @@ void fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorList 
     return;
   }
   const double* sched = schedule.data_ptr<double>();
+  if (schedule.numel() == 4 && sched[3] != 0) {  // a skipped step (reference.schedule_values)
+    *gap_out = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "l1_fw_step_cpu", [&] {
     using acc_t = acc_type<scalar_t>;
     StepArgs<scalar_t> args{params, momentum, grads, offsets, {}, {}, 0, 0, 0, 0, sched[1]};

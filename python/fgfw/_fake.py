@@ -47,3 +47,8 @@ def _lp_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, g
 def _ksparse_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
                           distribution, gap, row_numel, k, scales) -> None:
     return None
+
+
+@torch.library.register_fake("fgfw::gradient_step_")
+def _gradient_step_fake(params, momentum, grads, schedule) -> None:
+    return None

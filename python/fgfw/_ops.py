@@ -281,6 +281,53 @@ def set_fw_step_(kind: str, params, momentum, grads, schedule, tangent_coeffs, r
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+# Asked when a step's plan is built, like set_fw_step_available.
+@torch.compiler.assume_constant_result
+def gradient_step_available(backend: str) -> bool:
+    """Whether ``backend`` has the fused gradient_step_ (an unconstrained group's step): the reference always."""
+    return _gradient_step_available(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _gradient_step_available(backend: str) -> bool:
+    if backend == "torch":
+        return True
+    if backend in ("cpu", "cuda"):
+        return _has_kernel("gradient_step_", backend.upper())
+    if backend == "triton":
+        module = _triton_module()
+        return module is not None and hasattr(torch.ops.fgfw_triton, "gradient_step_")
+    return False
+
+
+def gradient_step_(params, momentum, grads, schedule, backend: str) -> None:
+    """An unconstrained group's step from the directions ``grads`` (see ``reference.gradient_step_``) on ``backend``,
+    every tensor in one op."""
+    if backend in ("cpu", "cuda"):
+        torch.ops.fgfw.gradient_step_(params, momentum, grads, schedule)
+    elif backend == "triton":
+        _require_triton()
+        torch.ops.fgfw_triton.gradient_step_(params, momentum, grads, schedule)
+    elif backend == "torch":
+        reference.gradient_step_(params, momentum, grads, schedule)
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether some entry of ``tensors`` is not finite, as a 0-dim bool tensor on ``device``, with no host read off
+    the CPU: the C++ kernel when every tensor is on the CPU (one pass, no temporaries, its answer on the host
+    already), else multi-tensor ops (all_finite_multi_tensor's sums), whose number does not grow with the number
+    of tensors. Under torch.compile the reference's reductions, which dynamo traces."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    if torch.compiler.is_compiling():
+        return torch.stack([~torch.isfinite(t).all().to(device) for t in tensors]).any()
+    if _has_kernel("all_finite", "CPU") and all(t.device.type == "cpu" for t in tensors):
+        return torch.tensor(not torch.ops.fgfw.all_finite(tensors), device=device)
+    return ~_finite_multi_tensor(tensors, device)
+
+
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every entry of every tensor is finite (see ``reference.all_finite``): the C++ kernel when the
     tensors are on the CPU (one pass, no temporaries), else multi-tensor torch ops (all_finite_multi_tensor),
@@ -302,15 +349,23 @@ def all_finite_multi_tensor(tensors: list[torch.Tensor]) -> bool:
     could overflow: it is summed times 0 (0 where x is finite, NaN where not), through a temporary."""
     if any(t.is_complex() for t in tensors):
         return reference.all_finite(tensors)
+    return bool(_finite_multi_tensor(tensors, tensors[0].device))
+
+
+def _finite_multi_tensor(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """all_finite_multi_tensor's verdict as a 0-dim bool tensor on ``device`` (no host read)."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
+        if t.is_complex():
+            t = torch.view_as_real(t)
         if t.is_floating_point():  # integers and bools are finite
             by_kind.setdefault((t.device, t.dtype), []).append(t)
-    device = tensors[0].device
     verdicts = []
     for (_, dtype), group in by_kind.items():
         if dtype == torch.float64:
             group = torch._foreach_mul(group, 0.0)
         sums = torch._foreach_norm(group, 1, dtype=torch.float64)
         verdicts.append(torch.stack(sums).isfinite().all().to(device))
-    return bool(torch.stack(verdicts).all()) if verdicts else True
+    if not verdicts:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).all()

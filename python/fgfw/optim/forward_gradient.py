@@ -186,10 +186,10 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise TypeError(f"{type(self).__name__}.step needs a closure that computes the loss with the module, "
                             f"e.g. opt.step(lambda: F.cross_entropy(model(x), y)) (it runs the forward pass only: "
                             f"no loss.backward()); got {got}")
+        self._report_nonfinite(wait=False)
         closure = self._guarded(closure)
         k = self._step_count_k + 1
         plan = self._prepared()
-        schedule = self._schedules(plan, k)
         params, offsets = plan.stream_params, plan.offsets
         distribution = reference.DISTRIBUTIONS[self.tangent]
 
@@ -202,7 +202,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
 
         if self.estimator == "activity":
-            return self._activity_step(plan, schedule, k, params, closure, fill, weight)
+            return self._activity_step(plan, k, params, closure, fill, weight)
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and self.num_tangents > 1:
             makers = [tangent_maker(t) for t in range(self.num_tangents)]
@@ -220,19 +220,14 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if self._replicas is not None:
             # every rank gets the same mean, non-finite on every rank if on one: they raise (or step) alike
             coeffs = self._replicas.mean_coefficients(coeffs, weight)
-        self._coefficient_update(plan, schedule, k, coeffs, loss)
+        self._coefficient_update(plan, k, coeffs)
         return loss
 
-    def _coefficient_update(self, plan: planning.Plan, schedule: list[torch.Tensor], k: torch.Tensor,
-                            coeffs: torch.Tensor, loss: torch.Tensor | None) -> None:
+    def _coefficient_update(self, plan: planning.Plan, k: torch.Tensor, coeffs: torch.Tensor) -> None:
         """What a step does after its forward passes: the update from the directional derivatives ``coeffs``
-        (float64, one per tangent)."""
-        if self.check_finite and not bool(torch.isfinite(coeffs).all()):
-            at_loss = "" if loss is None else f", loss {float(loss)}"
-            raise ValueError(f"the directional derivative <grad f, u> is not finite at step k={int(k)} "
-                             f"(values {coeffs.tolist()}{at_loss}); parameters and optimizer state were left "
-                             f"unchanged (check the closure and step size, or pass check_finite=False)")
-        self._apply(plan, schedule, k, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
+        (float64, one per tangent), skipped on the device where one is not finite (check_finite)."""
+        nonfinite = ~torch.isfinite(coeffs).all() if self.check_finite else None
+        self._apply(plan, k, nonfinite, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
                     distribution=reference.DISTRIBUTIONS[self.tangent])
         self._check_replicas(k)
 
@@ -243,26 +238,28 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         (bench/optimizer_step.py's afgfw_update, bench/step_overhead.py)."""
         k = self._step_count_k + 1
         plan = self._prepared()
-        self._coefficient_update(plan, self._schedules(plan, k), k, coeffs, None)
+        self._coefficient_update(plan, k, coeffs)
+
+    def _direction_name(self) -> str:
+        if self.estimator == "activity":
+            return "the activity-perturbed gradient estimate"
+        return "the directional derivative <grad f, u>"
 
     def _check_replicas(self, k: torch.Tensor) -> None:
         """Every check_replicas_every steps, ``RuntimeError`` on every rank if the replicas' parameters differ."""
         if self._replicas is not None and self.check_replicas_every and int(k) % self.check_replicas_every == 0:
             self._replicas.check_identical([p for g in self.param_groups for p in g["params"]], int(k))
 
-    def _activity_step(self, plan: planning.Plan, schedule: list[torch.Tensor], k: torch.Tensor, params: list[torch.Tensor],
-                       closure, fill, weight: float):
+    def _activity_step(self, plan: planning.Plan, k: torch.Tensor, params: list[torch.Tensor], closure, fill,
+                       weight: float):
         """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
         step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
         loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
                                                   self.tangents_in_one_pass, self.recompute_inputs)
         if self._replicas is not None:
             self._replicas.mean_dense_(list(grads.values()), weight)
-        if self.check_finite and not _ops.all_finite(list(grads.values())):
-            raise ValueError(f"the activity-perturbed gradient estimate is not finite at step k={int(k)} (loss "
-                             f"{float(loss)}); parameters and optimizer state were left unchanged (check the closure "
-                             f"and step size, or pass check_finite=False)")
-        self._apply(plan, schedule, k, grads=functional.gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
+        nonfinite = _ops.nonfinite(list(grads.values()), k.device) if self.check_finite else None
+        self._apply(plan, k, nonfinite, grads=functional.gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
                     seed=0, distribution=0)
         self._check_replicas(k)
         return loss
@@ -297,7 +294,7 @@ class FGFW(_ForwardGradientFrankWolfe):
         engine: forward-mode engine from ``fgfw.forward_grad.ENGINES``: ``"lean"`` (default: just-in-time
             tangents, lean rules) or ``"forward_ad"`` (torch's stock forward-mode AD, the reference).
         backend, check_finite: as in :class:`FrankWolfe`; a non-finite directional derivative raises
-            ``ValueError`` and leaves parameters and state untouched.
+            ``ValueError`` (deferred, as there) and leaves parameters and state untouched.
         estimator: ``"weight"`` (default, the paper's: tangents over the parameters) or ``"activity"``
             (tangents over the outputs of the ``nn.Linear`` layers, see :mod:`fgfw.activity`: every
             parameter must belong to an ``nn.Linear``, the closure must return per-example losses, e.g.

@@ -37,6 +37,11 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         # synchronisation) and a CUDA graph that replays a step advances it too.
         self._step_count_k = torch.zeros((), dtype=torch.int64)
         self.check_finite = bool(check_finite)
+        # The deferred finite check (check_finite): "first" is the step k of the first non-finite direction not yet
+        # reported (0: none), on the counter's device; while it is set every step is skipped on the device (the ops
+        # read it as the schedule's skip element). On a GPU each step copies it to "host" (pinned) and records
+        # "event", so that a later step() reads it once the GPU is past it, without waiting.
+        self._nonfinite: dict = {"first": torch.zeros((), dtype=torch.float64), "host": None, "event": None}
         # What a step reports goes into a dict: torch.compile (dynamo) drops attribute assignments to an
         # optimizer made inside a compiled step, but keeps the mutations of a container it holds.
         self._step_results: dict[str, torch.Tensor | None] = {"gap": None}
@@ -59,12 +64,17 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                              f"is nothing to optimize; pass the parameters to train, with requires_grad=True")
         if first is not None:
             self._step_count_k = self._step_count_k.to(first.device)
+            self._nonfinite["first"] = self._nonfinite["first"].to(first.device)
 
     @property
     def last_gap(self) -> torch.Tensor | None:
         """The Frank-Wolfe gap ``<d, theta - s>`` of the last step, d its direction, theta the pre-step
         parameters, s the vertex, summed over all balls (float64 tensor); None before the first step. It is
-        the true gap ``max_{s in C} <d, theta - s>`` (up to rounding) where :attr:`exact_gap` says so."""
+        the true gap ``max_{s in C} <d, theta - s>`` (up to rounding) where :attr:`exact_gap` says so.
+
+        Reading it raises the ``ValueError`` of a non-finite step not yet reported (see ``check_finite``): it waits
+        for the device, as reading the gap's value would."""
+        self._report_nonfinite(wait=True)
         return self._step_results["gap"]
 
     @last_gap.setter
@@ -131,7 +141,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         ``averaging_weight``) cannot be saved: it is recorded as ``{"kind": "callable", "name": ...}`` and
         the optimizer that loads the state must be built with that callable (see :meth:`load_state_dict`).
         Schedule names and numbers are saved as they are.
+
+        It raises the ``ValueError`` of a non-finite step not yet reported (see ``check_finite``) first.
         """
+        self._report_nonfinite(wait=True)
         return checkpoint.saved(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -155,6 +168,9 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         checkpoint.finish_load(self, state_dict)
         self._load_extra_state(extra)
+        # a non-finite step not yet reported belongs to the run this state replaces
+        self._nonfinite["first"].zero_()
+        self._nonfinite["event"] = None
         self._plan_cache["plan"] = None  # new state tensors
 
     # -- the plan (plan.py) -------------------------------------------------------------------------------------
@@ -228,23 +244,85 @@ class _FrankWolfeBase(torch.optim.Optimizer):
                                    missing_gradient=self._missing_gradient, tangent_stream=self._uses_tangent_stream)
 
     # -- the step (functional.py) -------------------------------------------------------------------------------
-    def _schedules(self, plan: planning.Plan, k: torch.Tensor) -> list[torch.Tensor]:
+    def _schedules(self, plan: planning.Plan, k: torch.Tensor, skip: torch.Tensor | None) -> list[torch.Tensor]:
         return functional.schedules_of(plan, k, schedule_key=self._schedule_key,
-                                       averaging_weight=self._averaging_weight)
+                                       averaging_weight=self._averaging_weight, skip=skip)
+
+    # -- the deferred finite check ------------------------------------------------------------------------------
+    def _direction_name(self) -> str:
+        """What a step's direction is, for the error of a non-finite one."""
+        return "a gradient"
+
+    def _skip_flag(self, nonfinite: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
+        """The schedules' skip element of step k, on the counter's device: with check_finite, the step of the first
+        non-finite direction not yet reported (``nonfinite``: this step's, a 0-dim bool tensor), else None. Device
+        ops only: while the counter stays at that step's k - 1 (the step is skipped), k cannot exceed it."""
+        if nonfinite is None:
+            return None
+        first = self._nonfinite["first"]
+        torch.maximum(first, nonfinite.to(first.device, torch.float64) * k, out=first)
+        return first
+
+    def _after_step(self, skip: torch.Tensor | None) -> None:
+        """On a GPU, the skip flag's copy to the host, read by a later step() once the GPU is past this one; then
+        the check of :meth:`_report_nonfinite` (on the CPU: this step's own)."""
+        if skip is None or torch.compiler.is_compiling():
+            return
+        if skip.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self._nonfinite["host"] is None:
+                self._nonfinite["host"] = torch.empty((), dtype=torch.float64, pin_memory=True)
+            self._nonfinite["host"].copy_(skip, non_blocking=True)
+            event = self._nonfinite["event"] = torch.cuda.Event()
+            event.record()
+        self._report_nonfinite(wait=False)
+
+    def _report_nonfinite(self, wait: bool) -> None:
+        """Raises ``ValueError`` for a non-finite step the host has not reported yet, and clears it (the next step
+        runs). ``wait=False`` (step()): only where the answer is at hand, the CPU's flag or a GPU copy whose event
+        has completed; ``wait=True`` (last_gap, state_dict): reads the flag, waiting for the device."""
+        if not self.check_finite or torch.compiler.is_compiling():
+            return
+        state = self._nonfinite
+        first = state["first"]
+        if first.device.type == "cpu" or wait:
+            if first.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            value = float(first)
+        else:
+            event = state["event"]
+            if event is None or not event.query():
+                return
+            value = float(state["host"])
+        if value:
+            first.zero_()
+            state["event"] = None
+            raise ValueError(
+                f"{self._direction_name()} was not finite at step k={int(value)}: that step, and any step since, "
+                f"left the parameters and the optimizer state as they were before it (they were skipped on the "
+                f"device; the check reads no value on the host during a step). Check the loss and the step size, or "
+                f"pass check_finite=False")
 
     def _make_state(self, plan: planning.Plan, call: planning.Call) -> None:
         planning.make_state(call, self.state)
         plan.key[0] = len(self.state)  # the state this plan made is its own (see _plan_key)
 
-    def _apply(self, plan: planning.Plan, schedule: list[torch.Tensor], k: torch.Tensor, *,
+    def _apply(self, plan: planning.Plan, k: torch.Tensor, nonfinite: torch.Tensor | None, *,
                grads: list[list[torch.Tensor]] | None, tangent_coeffs: torch.Tensor | None, seed: int,
                distribution: int) -> None:
-        """The step (functional.fw_step), then the gap and the counter. Into the container itself, not through the
+        """The step (functional.fw_step) with its schedules, then the gap and the counter (which a skipped step
+        leaves), then the finite check's report (_after_step). ``nonfinite``: whether this step's direction is not
+        finite (a 0-dim bool tensor), None without check_finite. Into the container itself, not through the
         last_gap property: torch 2.11's dynamo refuses a property's setattr inside a compiled step."""
+        skip = self._skip_flag(nonfinite, k)
+        schedule = self._schedules(plan, k, skip)
         self._step_results["gap"] = functional.fw_step(
             plan, schedule, k, grads=grads, tangent_coeffs=tangent_coeffs, seed=seed, distribution=distribution,
             state=self.state, make_state=lambda call: self._make_state(plan, call))
-        self._step_count_k.copy_(k)
+        if skip is None:
+            self._step_count_k.copy_(k)
+        else:
+            self._step_count_k.add_(skip == 0)
+        self._after_step(skip)
 
 
 class FrankWolfe(_FrankWolfeBase):
@@ -277,8 +355,16 @@ class FrankWolfe(_FrankWolfeBase):
             length is alpha_k ||d||, as SGD's with learning rate alpha_k). A rescaled step, even on the L1
             ball, runs in torch ops (reference.fw_step_), not in the fused kernels.
         backend: ``"cuda" | "triton" | "cpu" | "torch" | "auto"`` (default: $FGFW_BACKEND, else auto).
-        check_finite: raise ``ValueError`` on a non-finite gradient before touching anything (one host sync;
-            under torch.compile a graph break, so ``fullgraph=True`` needs ``check_finite=False``).
+        check_finite: a step whose gradient has a NaN or inf changes nothing, and raises ``ValueError``
+            later, without a host synchronisation in the step: the check runs on the device (one multi-tensor
+            reduction) and the fused ops skip the step there (parameters, momentum and state keep their bits; in a
+            centred ball a -0.0 may become +0.0). Every step after it is skipped too, until the error is raised
+            (the counter stays). The error comes from the first of: a ``step()`` call once the device has
+            finished the bad step (on the CPU, that step itself; on a GPU, usually the next step()); reading
+            ``last_gap``; ``state_dict()``. Under torch.compile or CUDA-graph capture the step stays whole (no
+            graph break) and the error comes from ``last_gap``, ``state_dict()`` or an eager step(). The sets
+            stepped in torch ops (the spectral, nuclear-norm and other non-fused sets) read their schedule on
+            the host, as they always did. ``False``: no check (a NaN then spreads into the parameters).
 
     Parameters whose ``grad`` is None are skipped (per-tensor and row balls: neither they nor their
     momentum move) or take a zero gradient (a global ball, whose update scales every parameter). So are
@@ -327,16 +413,15 @@ class FrankWolfe(_FrankWolfeBase):
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """One Frank-Wolfe step from ``p.grad``. ``closure`` (optional) recomputes the loss with a backward pass."""
+        self._report_nonfinite(wait=False)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         k = self._step_count_k + 1
         plan = self._prepared()
-        schedule = self._schedules(plan, k)
         grads = functional.gradients(plan, lambda p: p.grad)
-        if self.check_finite and not _ops.all_finite([g for call_grads in grads for g in call_grads]):
-            raise ValueError(f"a gradient is not finite at step k={int(k)}; parameters and optimizer state were "
-                             f"left unchanged (pass check_finite=False to skip this check)")
-        self._apply(plan, schedule, k, grads=grads, tangent_coeffs=None, seed=0, distribution=0)
+        nonfinite = (_ops.nonfinite([g for call_grads in grads for g in call_grads], k.device)
+                     if self.check_finite else None)
+        self._apply(plan, k, nonfinite, grads=grads, tangent_coeffs=None, seed=0, distribution=0)
         return loss

@@ -20,10 +20,13 @@ def device_scalar(x: float | torch.Tensor, device: torch.device) -> torch.Tensor
 
 
 def schedules_of(plan: Plan, k: torch.Tensor, *, schedule_key: Callable[[dict], tuple],
-                 averaging_weight: Callable[[dict, int | torch.Tensor], float | torch.Tensor]) -> list[torch.Tensor]:
+                 averaging_weight: Callable[[dict, int | torch.Tensor], float | torch.Tensor],
+                 skip: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each call's (k, alpha_k, gamma_k), a float64 tensor on its device, evaluated before anything is
     modified (a callable schedule out of [0, 1] raises ``ValueError``), once per distinct schedule
-    (``schedule_key``); gamma_k is ``averaging_weight(group, k)``.
+    (``schedule_key``); gamma_k is ``averaging_weight(group, k)``. ``skip`` (a 0-dim tensor, not 0 for a step
+    that must write nothing: the deferred finite check) is appended as a 4th element, read by the ops on the
+    device (reference.schedule_values).
 
     On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
     GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
@@ -46,6 +49,8 @@ def schedules_of(plan: Plan, k: torch.Tensor, *, schedule_key: Callable[[dict], 
                 values = (device_k, schedules.evaluate(group["step_size"], device_k, "step_size"),
                           averaging_weight(group, device_k))
                 made[memo] = torch.stack([device_scalar(x, call.device) for x in values])
+            if skip is not None:
+                made[memo] = torch.cat([made[memo], skip.to(call.device, torch.float64).reshape(1)])
         out.append(made[memo])
     return out
 
@@ -109,22 +114,6 @@ def run_forward_gradients(call: Call, coeffs: torch.Tensor, k: torch.Tensor, see
     return out
 
 
-def gradient_step(targets: list[torch.Tensor], moms: list[torch.Tensor], grads: list[torch.Tensor],
-                  schedule: torch.Tensor, dtype: torch.dtype) -> None:
-    """reference.gradient_step_ for an unconstrained call (its targets and momentum, the direction of the same
-    shapes), in device ops that read nothing on the host (so a compiled or captured step keeps it whole), with the
-    reference's roundings (tests/test_unconstrained.py): each product rounded on its own, then the sum.
-    Multi-tensor ops, so that the number of ops (GPU launches) does not grow with the number of tensors:
-    bench/op_count.py."""
-    _, alpha, gamma = schedule.to(dtype).unbind()  # one cast, as the reference's of each number
-    d = grads
-    if moms:
-        torch._foreach_mul_(moms, 1 - gamma)
-        torch._foreach_add_(moms, torch._foreach_mul(grads, gamma))
-        d = moms
-    torch._foreach_sub_(targets, torch._foreach_mul(d, alpha))
-
-
 def _torch_set_step(call: Call, grads: list[torch.Tensor], schedule: torch.Tensor, coeffs: torch.Tensor, seed,
                     distribution: int, gap: torch.Tensor, state) -> None:
     """A set stepped through its vertex in torch ops (reference.fw_step_)."""
@@ -162,8 +151,12 @@ def fw_step(plan: Plan, schedule: list[torch.Tensor], k: torch.Tensor, *, grads:
             make_state(call)
         # the op writes it; an unconstrained call has no vertex, no share of the Frank-Wolfe gap
         gap = None if call.kind == "unconstrained" else torch.empty((), dtype=torch.float64, device=device)
-        if call.centers:  # a centred ball: the step is theta - c <- (1 - alpha)(theta - c) + alpha s
-            torch._foreach_sub_(call.targets, call.centers)
+        centers = call.centers
+        if centers and schedule[c].numel() == 4:
+            # a skipped step leaves theta as it was: it subtracts and adds back 0 (only a -0.0 can become +0.0)
+            centers = torch._foreach_mul(centers, (schedule[c][3] == 0).to(call.dtype))
+        if centers:  # a centred ball: the step is theta - c <- (1 - alpha)(theta - c) + alpha s
+            torch._foreach_sub_(call.targets, centers)
         if call.kind == "l1":
             _ops.l1_fw_step_(call.targets, call.moms, grads[c] if grads is not None else [], schedule[c], coeffs,
                              call.radii, call.global_ball, call.starts, seed, distribution, gap,
@@ -174,15 +167,16 @@ def fw_step(plan: Plan, schedule: list[torch.Tensor], k: torch.Tensor, *, grads:
                               distribution, gap, call.backend, call.row_numel, call.fused_set[1], call.scales)
         elif call.kind == "unconstrained":
             if grads is not None:
-                gradient_step(call.targets, call.moms, grads[c], schedule[c], call.dtype)
+                _ops.gradient_step_(call.targets, call.moms, grads[c], schedule[c], call.backend)
             else:  # flat: the forward gradient is drawn one run of the tangent stream at a time
-                gradient_step(call.flat_targets, call.flat_moms,
-                              run_forward_gradients(call, coeffs, k, seed, distribution), schedule[c], call.dtype)
+                _ops.gradient_step_(call.flat_targets, call.flat_moms,
+                                    run_forward_gradients(call, coeffs, k, seed, distribution), schedule[c],
+                                    call.backend)
         else:
             call_grads = grads[c] if grads is not None else forward_gradients(call, coeffs, k, seed, distribution)
             _torch_set_step(call, call_grads, schedule[c], coeffs, seed, distribution, gap, state)
-        if call.centers:
-            torch._foreach_add_(call.targets, call.centers)
+        if centers:
+            torch._foreach_add_(call.targets, centers)
         if call.halves:
             # one rounding of a feasible float32 iterate: ||theta||_1 <= r (1 + u) in the half dtype
             torch._foreach_copy_([p for p, _ in call.halves], [m for _, m in call.halves])

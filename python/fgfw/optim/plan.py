@@ -8,7 +8,7 @@ steps it (functional.fw_step):
 
 * ``"l1"``: the fused L1-ball op (``_ops.l1_fw_step_``);
 * ``"set"``: another set's fused op (L-infinity, Lp, k-sparse: ``_ops.set_fw_step_``);
-* ``"unconstrained"``: a gradient step in multi-tensor ops (functional.gradient_step);
+* ``"unconstrained"``: a gradient step, every tensor in one op (``_ops.gradient_step_``);
 * ``"torch"``: a set stepped through its vertex in torch ops (``reference.fw_step_``), or a rescaled step.
 """
 from __future__ import annotations
