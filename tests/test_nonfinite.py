@@ -345,3 +345,19 @@ def test_a_compiled_step_keeps_the_check_whole():
     with pytest.raises(ValueError, match=r"a gradient was not finite at step k=3"):
         opt.last_gap
     assert same(everything(model, opt), everything(twin, twin_opt))
+
+
+def test_the_device_verdict_is_the_reference_on_every_path():
+    """_ops.nonfinite: the C++ kernel's answer on the CPU, the multi-tensor sums elsewhere (the GPU's path, run here on
+    CPU tensors), against reference.all_finite; float64 values whose sum overflows are finite."""
+    big = torch.full((5,), 1e308, dtype=torch.float64)
+    cases = [[torch.ones(3), big], [torch.ones(3), big.clone().index_fill_(0, torch.tensor([2]), math.inf)],
+             [torch.tensor([1.0, math.nan], dtype=torch.float16), torch.arange(4)],
+             [torch.zeros(0), torch.tensor([60000.0] * 3, dtype=torch.float16)],
+             [torch.tensor([1 + 2j, complex(math.nan, 0)])], [torch.arange(3)]]
+    for tensors in cases:
+        want = ref.all_finite(tensors)
+        assert bool(_ops._finite_multi_tensor(tensors, torch.device("cpu"))) == want
+        real = [t for t in tensors if not t.is_complex()]
+        if len(real) == len(tensors):
+            assert bool(_ops.nonfinite(tensors, torch.device("cpu"))) == (not want)
