@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["csrc/cuda/fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/set_steps.cu"]
+SOURCES = ["csrc/cuda/fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/set_steps.cu", "csrc/cuda/gradient_step.cu"]
 ARCH = "90"
 REGS_PER_SM = 65536
 THREADS = 256

@@ -14,8 +14,17 @@ __device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, 
 __device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ float rn_add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float rn_sub(float a, float b) { return __fsub_rn(a, b); }
 __device__ __forceinline__ double rn_sub(double a, double b) { return __dsub_rn(a, b); }
 __device__ __forceinline__ double rn_div(double a, double b) { return __ddiv_rn(a, b); }
+
+// A skipped step (schedule (step, alpha, gamma, skip), skip != 0) writes nothing but NaN into its gap. The launchers
+// pass skip = schedule + 3 for a schedule of 4 elements, null for 3; every kernel of a step reads it on the device
+// at its top, so the host never waits for it and no kernel reads workspace that a skipped kernel left unwritten.
+__device__ __forceinline__ bool skipped(const double* skip) { return skip != nullptr && *skip != 0.0; }
+
+// The gap of a skipped step: a quiet NaN.
+__device__ __forceinline__ double skipped_gap() { return __longlong_as_double(0x7ff8000000000000LL); }
 
 // g = sum_k coeff_k u_k for the four elements of Philox call q, accumulated in k order from the k = 0 term.
 template <Source kSource, typename acc_t>

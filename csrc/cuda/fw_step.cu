@@ -28,6 +28,8 @@
 // torch.argmax counts it. The schedule and coefficients are read by pointer on the device and the
 // workspace comes from the caching allocator, so a step can be captured in a CUDA graph (after one
 // eager step where rows have radii of their own, so that those are on the device already).
+// A skipped step (schedule[3] != 0, direction.cuh: skipped) makes the same launches and every kernel returns at its
+// top, the last one (the finalize, or fw_sum_shares_kernel) after writing the NaN gap.
 // Arithmetic follows python/fgfw/reference.py operation by operation: every product and sum is an
 // explicitly rounded intrinsic, so nvcc cannot contract them into FMAs that round differently.
 #include <ATen/Dispatch.h>
@@ -332,8 +334,10 @@ __device__ void publish_balls(const TensorTable<kLists>& table, const Workspace&
 template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kThreads, kMinChunkBlocks<scalar_t>)
     fw_chunks_kernel(const __grid_constant__ TensorTable<kLists> table, const double* __restrict__ schedule,
-                     const double* __restrict__ coeffs, int num_tangents, int64_t seed, Workspace ws) {
+                     const double* __restrict__ coeffs, int num_tangents, int64_t seed,
+                     const double* __restrict__ skip, Workspace ws) {
   using acc_t = acc_type<scalar_t>;
+  if (skipped(skip)) return;  // the finalize skips too: it needs neither the slots nor the ball table
   if (blockIdx.x == 0) publish_balls(table, ws);
   const int64_t step = static_cast<int64_t>(schedule[0]);
   const acc_t gamma = static_cast<acc_t>(schedule[2]);
@@ -444,19 +448,30 @@ __device__ void sum_shares(const Workspace& ws, double* gap) {
   if (threadIdx.x == 0) *gap = total.dot;
 }
 
-// The step's last kernel when the rows kernel wrote every share: one block.
-__global__ void __launch_bounds__(kSumThreads) fw_sum_shares_kernel(Workspace ws, double* gap) {
+// The step's last kernel when the rows kernel wrote every share: one block. A skipped step's gap is NaN (the
+// rows kernel wrote no share).
+__global__ void __launch_bounds__(kSumThreads)
+    fw_sum_shares_kernel(Workspace ws, const double* __restrict__ skip, double* gap) {
+  if (skipped(skip)) {
+    if (threadIdx.x == 0) *gap = skipped_gap();
+    return;
+  }
   sum_shares<kSumThreads>(ws, gap);
 }
 
 // Block b reduces ball b's slots (all slots for the global ball, global_numel elements), sets theta_i*
 // (l1_vertex_value) and computes the ball's gap <d, theta_old> + r |d_i*|. Unless the ball is global, the
-// last block sums every ball's share (the rows path's too).
+// last block sums every ball's share (the rows path's too). A skipped step: block 0 writes the NaN gap, and no
+// block reads the slots, the ball table or the block counter, which the chunks kernel left unwritten.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFinalizeThreads)
-    fw_finalize_kernel(Workspace ws, const double* __restrict__ schedule, bool global_ball, int64_t global_numel,
-                       double* gap) {
+    fw_finalize_kernel(Workspace ws, const double* __restrict__ schedule, const double* __restrict__ skip,
+                       bool global_ball, int64_t global_numel, double* gap) {
   using acc_t = acc_type<scalar_t>;
+  if (skipped(skip)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *gap = skipped_gap();
+    return;
+  }
   const int ball = blockIdx.x;
   const int64_t begin = global_ball ? 0 : ws.ball_first_slot[ball];
   const int64_t end = ws.ball_first_slot[global_ball ? ws.num_chunk_balls : ball + 1];
@@ -551,8 +566,9 @@ template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kRowThreads, kMinRowBlocks<scalar_t>)
     fw_rows_kernel(const __grid_constant__ RowTable<kLists> table, const double* __restrict__ schedule,
                    const double* __restrict__ coeffs, int num_tangents, int64_t seed,
-                   const double* __restrict__ radii, Workspace ws) {
+                   const double* __restrict__ radii, const double* __restrict__ skip, Workspace ws) {
   using acc_t = acc_type<scalar_t>;
+  if (skipped(skip)) return;  // no share written: the kernel that sums them writes the NaN gap instead
   const int64_t step = static_cast<int64_t>(schedule[0]);
   const acc_t gamma = static_cast<acc_t>(schedule[2]);
   const acc_t keep_theta = step_factors<acc_t>(schedule[1]).keep;
@@ -902,6 +918,8 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const double* const schedule_ptr = schedule.data_ptr<double>();
+  // read by every kernel on the device (a skipped step writes nothing but its NaN gap)
+  const double* const skip = schedule.numel() == 4 ? schedule_ptr + 3 : nullptr;
   const double* const coeffs_ptr = kSource == Source::kGrad ? nullptr : tangent_coeffs.data_ptr<double>();
   const int num_tangents = kSource == Source::kGrad ? 0 : static_cast<int>(tangent_coeffs.numel());
   double* const gap_ptr = gap.data_ptr<double>();
@@ -934,7 +952,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
           // Block 0 publishes the table even when every tensor is empty.
           const int64_t blocks = std::clamp<int64_t>(table.num_chunks, 1, max_blocks);
           chunks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(table, schedule_ptr, coeffs_ptr,
-                                                                               num_tangents, seed, ws);
+                                                                               num_tangents, seed, skip, ws);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
   }
@@ -990,11 +1008,11 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
       first_share += balls;
       const int64_t blocks = std::clamp<int64_t>(balls, 1, max_blocks);
       rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(table, schedule_ptr, coeffs_ptr,
-                                                                            num_tangents, seed, radii_ptr, ws);
+                                                                            num_tangents, seed, radii_ptr, skip, ws);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (num_chunk_balls == 0) {
-      fw_sum_shares_kernel<<<1, kSumThreads, 0, stream>>>(ws, gap_ptr);
+      fw_sum_shares_kernel<<<1, kSumThreads, 0, stream>>>(ws, skip, gap_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -1004,7 +1022,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
     int64_t global_numel = 0;
     for (const int64_t numel : chunk_numels) global_numel += numel;
     fw_finalize_kernel<scalar_t><<<global_ball ? 1u : static_cast<unsigned>(num_chunk_balls), kFinalizeThreads, 0,
-                                   stream>>>(ws, schedule_ptr, global_ball, global_numel, gap_ptr);
+                                   stream>>>(ws, schedule_ptr, skip, global_ball, global_numel, gap_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -52,6 +52,9 @@
 // NaN), so a NaN direction leaves its element only scaled in the L-infinity and k-sparse steps; the gap
 // is NaN then. In the Lp step a NaN (or an infinite) |d| makes M or N NaN, and the whole ball's vertex
 // NaN, as in the reference.
+//
+// A skipped step (schedule[3] != 0, direction.cuh: skipped) makes the same launches and every kernel returns at its
+// top, gap_sum_kernel after writing the NaN gap: params, momentum and scales keep their bits.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -410,9 +413,14 @@ __device__ __forceinline__ double update_element(scalar_t* theta, int64_t j, acc
 // ---- The gap ------------------------------------------------------------------------------------------
 
 // *gap = the sum of the slices' shares, in a fixed order (thread i sums slots i, i + kSumThreads, ...,
-// then a fixed tree). One block.
+// then a fixed tree). One block. A skipped step's gap is NaN (no kernel before wrote a share).
 __global__ void __launch_bounds__(kSumThreads)
-    gap_sum_kernel(const double* __restrict__ slot_gap, int64_t num_slices, double* __restrict__ gap) {
+    gap_sum_kernel(const double* __restrict__ slot_gap, int64_t num_slices, const double* __restrict__ skip,
+                   double* __restrict__ gap) {
+  if (skipped(skip)) {
+    if (threadIdx.x == 0) *gap = skipped_gap();
+    return;
+  }
   double sum = 0.0;
   for (int64_t s = threadIdx.x; s < num_slices; s += kSumThreads) sum = rn_add(sum, slot_gap[s]);
   sum = block_reduce<kSumThreads>(sum, SumOp{}, 0.0);
@@ -425,9 +433,10 @@ __global__ void __launch_bounds__(kSumThreads)
 template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
     linf_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, Tangents tangents,
-                double* __restrict__ slot_gap) {
+                const double* __restrict__ skip, double* __restrict__ slot_gap) {
   using acc_t = acc_type<scalar_t>;
   __shared__ acc_t d_slice[kSlice];
+  if (skipped(skip)) return;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
@@ -466,10 +475,12 @@ __device__ __forceinline__ double pow_q(double y, const LpExponent& lp) { return
 template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
     lp_reduce_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, Tangents tangents,
-                     LpExponent lp, double* __restrict__ slot_max, double* __restrict__ slot_sum) {
+                     LpExponent lp, const double* __restrict__ skip, double* __restrict__ slot_max,
+                     double* __restrict__ slot_sum) {
   using acc_t = acc_type<scalar_t>;
   using Key = AbsKey<acc_t>;
   __shared__ acc_t d_slice[kSlice];
+  if (skipped(skip)) return;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
@@ -502,9 +513,10 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
 // slices in slot order (a fixed tree), N = that to the 1/q. M = 0 (d = 0 on the whole ball) gives N = 0.
 __global__ void __launch_bounds__(kBallThreads)
     lp_ball_kernel(const __grid_constant__ EntryTable table, GlobalBall global, LpExponent lp,
-                   const double* __restrict__ slot_max, const double* __restrict__ slot_sum,
-                   double* __restrict__ ball_max, double* __restrict__ ball_norm) {
+                   const double* __restrict__ skip, const double* __restrict__ slot_max,
+                   const double* __restrict__ slot_sum, double* __restrict__ ball_max, double* __restrict__ ball_norm) {
   using Key = AbsKey<double>;
+  if (skipped(skip)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
        id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
@@ -540,10 +552,12 @@ __device__ __forceinline__ double pow_p(double y, const LpExponent& lp) { return
 template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t> - 1)
     lp_update_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, Tangents tangents,
-                     LpExponent lp, const double* __restrict__ ball_max, const double* __restrict__ ball_norm,
-                     double* __restrict__ slot_gap, double* __restrict__ slot_stored, double* __restrict__ slot_exact) {
+                     LpExponent lp, const double* __restrict__ skip, const double* __restrict__ ball_max,
+                     const double* __restrict__ ball_norm, double* __restrict__ slot_gap,
+                     double* __restrict__ slot_stored, double* __restrict__ slot_exact) {
   using acc_t = acc_type<scalar_t>;
   __shared__ acc_t d_slice[kSlice];
+  if (skipped(skip)) return;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
@@ -590,8 +604,9 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t> - 1)
 template <typename scalar_t, Source kSource, bool kMomentum>
 __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
     ksparse_direction_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule,
-                             Tangents tangents) {
+                             Tangents tangents, const double* __restrict__ skip) {
   using acc_t = acc_type<scalar_t>;
+  if (skipped(skip)) return;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
@@ -604,8 +619,9 @@ __global__ void __launch_bounds__(kSliceThreads, kMinSliceBlocks<scalar_t>)
 // A warp per ball: prefix 0, remaining = min(k, ball size), an empty histogram.
 __global__ void __launch_bounds__(kBallThreads)
     ksparse_init_kernel(const __grid_constant__ EntryTable table, GlobalBall global, int64_t k,
-                        unsigned long long* __restrict__ ball_prefix, unsigned long long* __restrict__ ball_remaining,
-                        unsigned long long* __restrict__ ball_hist) {
+                        const double* __restrict__ skip, unsigned long long* __restrict__ ball_prefix,
+                        unsigned long long* __restrict__ ball_remaining, unsigned long long* __restrict__ ball_hist) {
+  if (skipped(skip)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
        id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
@@ -623,9 +639,11 @@ __global__ void __launch_bounds__(kBallThreads)
 template <typename acc_t>
 __global__ void __launch_bounds__(kSliceThreads)
     ksparse_hist_kernel(const __grid_constant__ EntryTable table, int shift, unsigned long long high_mask,
-                        const unsigned long long* __restrict__ ball_prefix, unsigned long long* __restrict__ ball_hist) {
+                        const double* __restrict__ skip, const unsigned long long* __restrict__ ball_prefix,
+                        unsigned long long* __restrict__ ball_hist) {
   using Key = AbsKey<acc_t>;
   __shared__ unsigned int hist[kBins];  // a slice has at most kSlice elements: no overflow
+  if (skipped(skip)) return;
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
     const acc_t* const dir = static_cast<const acc_t*>(table.entry[slice.entry].dir);
@@ -651,9 +669,10 @@ __global__ void __launch_bounds__(kSliceThreads)
 // 8 l .. 8 l + 7. Invariant: at least `remaining` keys match the prefix, so exactly one lane finds it.
 __global__ void __launch_bounds__(kBallThreads)
     ksparse_select_kernel(const __grid_constant__ EntryTable table, GlobalBall global, int shift,
-                          unsigned long long* __restrict__ ball_prefix, unsigned long long* __restrict__ ball_remaining,
-                          unsigned long long* __restrict__ ball_hist) {
+                          const double* __restrict__ skip, unsigned long long* __restrict__ ball_prefix,
+                          unsigned long long* __restrict__ ball_remaining, unsigned long long* __restrict__ ball_hist) {
   constexpr int kPerLane = kBins / 32;
+  if (skipped(skip)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
        id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
@@ -694,9 +713,11 @@ __global__ void __launch_bounds__(kBallThreads)
 // slot_count[s] = the number of the slice's keys equal to its ball's T (the prefix after every pass).
 template <typename acc_t>
 __global__ void __launch_bounds__(kSliceThreads)
-    ksparse_count_kernel(const __grid_constant__ EntryTable table, const unsigned long long* __restrict__ ball_prefix,
+    ksparse_count_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ skip,
+                         const unsigned long long* __restrict__ ball_prefix,
                          unsigned long long* __restrict__ slot_count) {
   using Key = AbsKey<acc_t>;
+  if (skipped(skip)) return;
   for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
     const acc_t* const dir = static_cast<const acc_t*>(table.entry[slice.entry].dir);
@@ -713,8 +734,9 @@ __global__ void __launch_bounds__(kSliceThreads)
 // A warp per ball: slot_before[c] = the ball's keys equal to T in its slices before slice c (an exclusive
 // prefix sum over the ball's slots, in slot order).
 __global__ void __launch_bounds__(kBallThreads)
-    ksparse_scan_kernel(const __grid_constant__ EntryTable table, GlobalBall global,
+    ksparse_scan_kernel(const __grid_constant__ EntryTable table, GlobalBall global, const double* __restrict__ skip,
                         const unsigned long long* __restrict__ slot_count, unsigned long long* __restrict__ slot_before) {
+  if (skipped(skip)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
        id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
@@ -742,15 +764,17 @@ __global__ void __launch_bounds__(kBallThreads)
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSliceThreads)
     ksparse_update_kernel(const __grid_constant__ EntryTable table, const double* __restrict__ schedule, int64_t k,
-                          const unsigned long long* __restrict__ ball_prefix,
+                          const double* __restrict__ skip, const unsigned long long* __restrict__ ball_prefix,
                           const unsigned long long* __restrict__ ball_remaining,
                           const unsigned long long* __restrict__ slot_before, double* __restrict__ slot_gap,
                           unsigned long long* __restrict__ slot_stored_units,
                           unsigned long long* __restrict__ slot_exact_units) {
   using acc_t = acc_type<scalar_t>;
   using Key = AbsKey<acc_t>;
+  // A skipped step runs no slice: with a return here instead, ptxas spilled the double variant.
+  const int64_t slice_end = skipped(skip) ? table.slice_begin : table.slice_end;
   const StepScalars<acc_t> sc = read_schedule<acc_t>(schedule);
-  for (int64_t s = table.slice_begin + blockIdx.x; s < table.slice_end; s += gridDim.x) {
+  for (int64_t s = table.slice_begin + blockIdx.x; s < slice_end; s += gridDim.x) {
     const SliceInfo slice = slice_info(table, s);
     const Entry& entry = table.entry[slice.entry];
     const acc_t* const dir = static_cast<const acc_t*>(entry.dir);
@@ -806,9 +830,10 @@ __global__ void __launch_bounds__(kSliceThreads)
 template <bool kInteger>
 __global__ void __launch_bounds__(kBallThreads)
     feedback_kernel(const __grid_constant__ EntryTable table, GlobalBall global, double p, int64_t k,
-                    double unit_roundoff, const double* __restrict__ slot_stored, const double* __restrict__ slot_exact,
-                    const unsigned long long* __restrict__ slot_stored_units,
+                    double unit_roundoff, const double* __restrict__ skip, const double* __restrict__ slot_stored,
+                    const double* __restrict__ slot_exact, const unsigned long long* __restrict__ slot_stored_units,
                     const unsigned long long* __restrict__ slot_exact_units) {
+  if (skipped(skip)) return;  // the scales keep their bits
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t id = table.ball_begin + static_cast<int64_t>(blockIdx.x) * kBallsPerBlock + warp; id < table.ball_end;
        id += static_cast<int64_t>(gridDim.x) * kBallsPerBlock) {
@@ -1031,13 +1056,15 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
   const Launcher launcher{int64_t{sms} * 8, int64_t{sms} * 16};
 
   const double* const schedule_ptr = schedule.data_ptr<double>();
+  // read by every kernel on the device (a skipped step writes nothing but its NaN gap)
+  const double* const skip = schedule.numel() == 4 ? schedule_ptr + 3 : nullptr;
   const Tangents tangents{kSource == Source::kGrad ? nullptr : tangent_coeffs.data_ptr<double>(),
                           kSource == Source::kGrad ? 0 : static_cast<int>(tangent_coeffs.numel()), seed};
 
   if (set == SetKind::kLInf) {
     for_each_table(plan, [&](const EntryTable& table) {
       linf_kernel<scalar_t, kSource, kMomentum>
-          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, slot_gap);
+          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, skip, slot_gap);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else if (set == SetKind::kLp) {
@@ -1049,19 +1076,20 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     double* const ball_norm = at_offset(ball_norm_at, static_cast<double*>(nullptr));
     for_each_table(plan, [&](const EntryTable& table) {
       lp_reduce_kernel<scalar_t, kSource, kMomentum>
-          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, lp, slot_max,
-                                                                     slot_sum);
+          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, lp, skip,
+                                                                     slot_max, slot_sum);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
-      lp_ball_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, lp, slot_max, slot_sum,
-                                                                            ball_max, ball_norm);
+      lp_ball_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, lp, skip, slot_max,
+                                                                            slot_sum, ball_max, ball_norm);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     for_each_table(plan, [&](const EntryTable& table) {
       lp_update_kernel<scalar_t, kSource, kMomentum>
-          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, lp, ball_max,
-                                                                     ball_norm, slot_gap, slot_stored, slot_exact);
+          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, lp, skip,
+                                                                     ball_max, ball_norm, slot_gap, slot_stored,
+                                                                     slot_exact);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
@@ -1073,12 +1101,13 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     auto* const ball_hist = at_offset(ball_hist_at, static_cast<unsigned long long*>(nullptr));
     for_each_table(plan, [&](const EntryTable& table) {
       ksparse_direction_kernel<scalar_t, kSource, kMomentum>
-          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents);
+          <<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, schedule_ptr, tangents, skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
-      ksparse_init_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, k, ball_prefix,
-                                                                                 ball_remaining, ball_hist);
+      ksparse_init_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, k, skip,
+                                                                                 ball_prefix, ball_remaining,
+                                                                                 ball_hist);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     // Most significant digit first. high_mask keeps the key bits above the digit (none in the first pass).
@@ -1088,28 +1117,30 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
       const unsigned long long high_mask = pass == 0 ? 0ull : ~((1ull << (shift + kDigitBits)) - 1ull);
       for_each_table(plan, [&](const EntryTable& table) {
         ksparse_hist_kernel<acc_t><<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, shift, high_mask,
-                                                                                            ball_prefix, ball_hist);
+                                                                                            skip, ball_prefix,
+                                                                                            ball_hist);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
-        ksparse_select_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, shift, ball_prefix,
-                                                                                     ball_remaining, ball_hist);
+        ksparse_select_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, shift, skip,
+                                                                                     ball_prefix, ball_remaining,
+                                                                                     ball_hist);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
     for_each_table(plan, [&](const EntryTable& table) {
-      ksparse_count_kernel<acc_t><<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, ball_prefix,
+      ksparse_count_kernel<acc_t><<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(table, skip, ball_prefix,
                                                                                            slot_count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
-      ksparse_scan_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, slot_count,
+      ksparse_scan_kernel<<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(table, global, skip, slot_count,
                                                                                  slot_before);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     for_each_table(plan, [&](const EntryTable& table) {
       ksparse_update_kernel<scalar_t><<<launcher.slice_grid(table), kSliceThreads, 0, stream>>>(
-          table, schedule_ptr, k, ball_prefix, ball_remaining, slot_before, slot_gap, slot_stored_units,
+          table, schedule_ptr, k, skip, ball_prefix, ball_remaining, slot_before, slot_gap, slot_stored_units,
           slot_exact_units);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -1121,16 +1152,16 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
     for_each_ball_table(plan, global_ball, [&](const EntryTable& table, const GlobalBall& global) {
       if (set == SetKind::kKSparse) {
         feedback_kernel<true><<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(
-            table, global, p, k, unit_roundoff, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
+            table, global, p, k, unit_roundoff, skip, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
       } else {
         feedback_kernel<false><<<launcher.ball_grid(table), kBallThreads, 0, stream>>>(
-            table, global, p, k, unit_roundoff, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
+            table, global, p, k, unit_roundoff, skip, slot_stored, slot_exact, slot_stored_units, slot_exact_units);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
 
-  gap_sum_kernel<<<1, kSumThreads, 0, stream>>>(slot_gap, plan.num_slices, gap.data_ptr<double>());
+  gap_sum_kernel<<<1, kSumThreads, 0, stream>>>(slot_gap, plan.num_slices, skip, gap.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
