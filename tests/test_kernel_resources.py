@@ -1,7 +1,7 @@
 """Register, spill and stack use of the CUDA kernels, as ptxas reports it: a check that needs nvcc
 but no GPU.
 
-csrc/cuda/fw_step.cu, csrc/cuda/tangent.cu and csrc/cuda/set_steps.cu are compiled for sm_90, device code
+csrc/cuda/fw_step.cu, tangent.cu, set_steps.cu and gradient_step.cu are compiled for sm_90, device code
 only, with -Xptxas -v. No kernel may spill or keep a stack frame (local memory), but for the set steps'
 Gaussian direction kernels' 32-byte frame (below), and each must fit the blocks
 per SM that its __launch_bounds__ asks for, 256 threads a block: 4 for the float-accumulating
