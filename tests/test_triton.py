@@ -561,3 +561,255 @@ def test_no_kernel_global_is_a_nan():
         for name, value in vars(module).items():
             if isinstance(value, tl.constexpr):
                 assert value.value == value.value, f"{module.__name__}.{name} = {value.value!r} never equals itself"
+
+
+# ---------------------------------------------------------------------------------------------------
+# A skipped step: a schedule (step, alpha, gamma, skip) with skip != 0, read by every kernel on the device, writes
+# no bit of the params or momentum and NaN into the gap (reference.schedule_values); skip = 0 is the 3-element step.
+
+_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+           torch.float16: torch.int16}
+
+
+def _bits(tensors):
+    """The tensors' bits (-0.0 differs from +0.0, a NaN's payload counts)."""
+    return [t.detach().contiguous().view(_INT_OF[t.dtype]).clone() for t in tensors]
+
+
+def _same_bits(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# (shapes, row_numel, global_ball): rows of every path (short rows, long rows through the blocks and the finalize,
+# an empty tensor); tensor balls (short ones, a long one, the gap sum); the global ball (blocks, its finalize writing
+# the gap itself); one short ball (the rows kernel writing the gap itself).
+SKIP_CASES = {
+    "rows": (ROW_SHAPES, ROW_NUMEL, False),
+    "tensors": ([(5,), (2100,), (1,), (3, 11)], [0, 0, 0, 0], False),
+    "global": ([(5,), (2100,), (0,), (33,)], [0, 0, 0, 0], True),
+    "one_ball": ([(13,)], [0], False),
+}
+
+
+def _skip_step(case, dtype, momentum, source, schedule, *, poison=False):
+    """The Triton L1 step of a SKIP_CASES case with this schedule: (bits of params + momentum, gap). ``poison``: a
+    -0.0 parameter and a non-finite direction (what a skipped step is for)."""
+    shapes, row_numel, global_ball = SKIP_CASES[case]
+    inputs = _make_shaped_inputs(shapes, dtype, momentum=momentum, grads=source == "grad", n_tangents=2, gen_seed=4)
+    params, moms = inputs["params"], inputs["momentum"]
+    coeffs = inputs["tangent_coeffs"]
+    if poison:
+        params[0].view(-1)[0] = -0.0
+        if source == "grad":
+            inputs["grads"][0].view(-1)[1] = float("nan")
+            inputs["grads"][-1].view(-1)[-1] = -float("inf")
+        else:
+            coeffs = torch.tensor([float("nan"), 1.0], dtype=torch.float64, device=DEVICE)
+    before = _bits(params + moms)
+    radii = [1.5] if global_ball else _row_radii(shapes, row_numel)
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    fgfw_triton.l1_fw_step_(params, moms, inputs["grads"], torch.tensor(schedule, dtype=torch.float64, device=DEVICE),
+                            coeffs, radii, global_ball, inputs["offsets"], 2024, RADEMACHER, gap, row_numel)
+    return before, _bits(params + moms), float(gap)
+
+
+@pytest.mark.parametrize("source", ["grad", "rademacher"])
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_a_skipped_step_writes_no_bit_and_a_nan_gap(case, source):
+    for skip in (1.0, float("nan"), -2.0):
+        before, after, gap = _skip_step(case, torch.float32, True, source, [3.0, 0.25, 0.4, skip], poison=True)
+        assert _same_bits(before, after) and math.isnan(gap), f"skip={skip}"
+    # without momentum, and a float64 and a bfloat16 step
+    for dtype, momentum in ((torch.float32, False), (torch.float64, True), (torch.bfloat16, False)):
+        before, after, gap = _skip_step(case, dtype, momentum, source, [3.0, 0.25, 0.4, 1.0], poison=True)
+        assert _same_bits(before, after) and math.isnan(gap), (dtype, momentum)
+
+
+@pytest.mark.parametrize("source", ["grad", "rademacher"])
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_skip_zero_is_the_three_element_step(case, source):
+    _, three, gap_three = _skip_step(case, torch.float32, True, source, [3.0, 0.25, 0.4])
+    before, four, gap_four = _skip_step(case, torch.float32, True, source, [3.0, 0.25, 0.4, 0.0])
+    assert _same_bits(three, four) and not _same_bits(before, four)
+    assert gap_three == gap_four and math.isfinite(gap_three)
+
+
+def test_a_skipped_step_without_elements_writes_a_nan_gap():
+    """As the reference: no params, or only empty tensors, still give a NaN gap when skipped (0 when not)."""
+    coeffs = torch.ones(1, dtype=torch.float64, device=DEVICE)
+    for params in ([], [torch.empty(0, device=DEVICE)]):
+        for schedule, expected in (([0.0, 0.5, 0.5, 1.0], math.nan), ([0.0, 0.5, 0.5, 0.0], 0.0)):
+            gaps = []
+            for step in (reference.l1_fw_step_, fgfw_triton.l1_fw_step_):
+                gaps.append(torch.full((), 7.0, dtype=torch.float64, device=DEVICE))
+                step(params, [], [], torch.tensor(schedule, dtype=torch.float64, device=DEVICE), coeffs,
+                     [1.0] * len(params), False, [0] * len(params), 0, RADEMACHER, gaps[-1])
+            for gap in gaps:
+                assert math.isnan(float(gap)) if math.isnan(expected) else float(gap) == expected
+
+
+def test_step_schedule_of_three_or_four_elements_only():
+    params = [torch.ones(3, device=DEVICE)]
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    for schedule in (torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64),
+                     torch.zeros(4, dtype=torch.float32), torch.zeros(8, dtype=torch.float64)[::2]):
+        with pytest.raises(ValueError, match=r"schedule must be .*\(step, alpha, gamma\) or \(step, alpha, gamma, "
+                                             r"skip\)"):
+            fgfw_triton.l1_fw_step_(params, [], [torch.ones(3, device=DEVICE)], schedule.to(DEVICE),
+                                    torch.zeros(0, dtype=torch.float64), [1.0], False, [0], 0, RADEMACHER, gap)
+    assert torch.equal(params[0], torch.ones(3, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------------
+# gradient_step_: an unconstrained group's step (reference.gradient_step_ with given directions)
+
+from fgfw.triton import gradient_step  # noqa: E402
+
+GRADIENT_SHAPES = [(7, 33), (5,), (0,), (3, 4, 5), (2 * gradient_step._BLOCK + 3,), (1,)]
+
+
+def _gradient_inputs(dtype, momentum, *, seed=0, shapes=GRADIENT_SHAPES, unaligned=False):
+    """(params, momentum, grads) of ``shapes``; ``unaligned``: each a view one element into a buffer (no 16-byte
+    alignment: the unvectorised path)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(shape):
+        n = math.prod(shape)
+        x = torch.randn(n + unaligned, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
+        return x[1:].view(shape) if unaligned else x.view(shape)
+
+    return ([draw(s) for s in shapes], [draw(s) for s in shapes] if momentum else [], [draw(s) for s in shapes])
+
+
+def _gradient_schedule(values):
+    return torch.tensor(values, dtype=torch.float64, device=DEVICE)
+
+
+@pytest.mark.parametrize("unaligned", [False, True])
+@pytest.mark.parametrize("momentum", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_step_is_the_reference_bit_for_bit(dtype, momentum, unaligned):
+    # alpha and gamma that round differently in float32 and float64, and a schedule that skips nothing (0.0)
+    for values in ([4.0, 0.1, 1 / 3], [9.0, 0.0123, 0.7, 0.0], [2.0, 1.0 + 2.0**-30, 0.3]):
+        runs = []
+        for step in (reference.gradient_step_, fgfw_triton.gradient_step_):
+            params, moms, grads = _gradient_inputs(dtype, momentum, unaligned=unaligned)
+            before = _bits(params + moms)
+            step(params, moms, grads, _gradient_schedule(values))
+            runs.append(_bits(params + moms))
+        assert _same_bits(*runs)
+        assert not _same_bits(before, runs[1])  # guards against a vacuous pass
+
+
+def test_gradient_step_repeated_steps_track_the_reference():
+    """Three steps with momentum on the same tensors (the cached table reused) stay on the reference's bits."""
+    states = [_gradient_inputs(torch.float32, True, seed=3) for _ in range(2)]
+    for k in range(3):
+        schedule = _gradient_schedule([k, 0.5 / (k + 1), 1 / (k + 1)])
+        for step, (params, moms, grads) in zip((reference.gradient_step_, fgfw_triton.gradient_step_), states):
+            step(params, moms, grads, schedule)
+    assert _same_bits(_bits(states[0][0] + states[0][1]), _bits(states[1][0] + states[1][1]))
+    assert gradient_step._table.cache_info().hits >= 2
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_a_skipped_gradient_step_writes_no_bit(momentum):
+    for dtype in (torch.float32, torch.float64):
+        params, moms, grads = _gradient_inputs(dtype, momentum, seed=1)
+        params[1][0] = -0.0
+        grads[0][0, 0] = float("nan")
+        grads[3][1, 2, 3] = float("inf")
+        before = _bits(params + moms)
+        for skip in (1.0, -1.0, float("nan")):
+            fgfw_triton.gradient_step_(params, moms, grads, _gradient_schedule([2.0, 0.5, 0.5, skip]))
+            assert _same_bits(before, _bits(params + moms)), (dtype, skip)
+    # the reference agrees (nothing written)
+    ref_params = [p.clone() for p in params]
+    reference.gradient_step_(ref_params, [m.clone() for m in moms], grads, _gradient_schedule([2.0, 0.5, 0.5, 1.0]))
+    assert _same_bits(_bits(ref_params), _bits(params))
+
+
+def test_gradient_step_is_one_launch_over_every_tensor(monkeypatch):
+    """One kernel launch whatever the number of tensors (a table of their addresses, not a launch per tensor)."""
+    launches = []
+    kernel = gradient_step._gradient_step_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gradient_step, "_gradient_step_kernel", Counting())
+    shapes = [(3,)] * 40 + [(gradient_step._BLOCK + 1,), (0,)]
+    params, moms, grads = _gradient_inputs(torch.float32, True, shapes=shapes)
+    fgfw_triton.gradient_step_(params, moms, grads, _gradient_schedule([1.0, 0.25, 0.5, 0.0]))
+    assert launches == [(40 + 2,)]  # a block per small tensor, two for the long one, none for the empty one
+    fgfw_triton.gradient_step_([], [], [], _gradient_schedule([1.0, 0.25, 0.5]))
+    fgfw_triton.gradient_step_([torch.empty(0, device=DEVICE)], [], [torch.empty(0, device=DEVICE)],
+                               _gradient_schedule([1.0, 0.25, 0.5]))
+    assert len(launches) == 1  # nothing to step: no launch
+
+
+def test_gradient_step_custom_op_and_the_optimizers_entry():
+    """torch.ops.fgfw_triton.gradient_step_ is what fgfw._ops.gradient_step_ calls for the 'triton' backend."""
+    from fgfw import _ops
+
+    assert _ops.gradient_step_available("triton")
+    results = []
+    for call in ("launcher", "op", "entry"):
+        params, moms, grads = _gradient_inputs(torch.float32, True, seed=2)
+        args = (params, moms, grads, _gradient_schedule([5.0, 0.125, 0.25, 0.0]))
+        if call == "launcher":
+            gradient_step.gradient_step_(*args)
+        elif call == "op":
+            torch.ops.fgfw_triton.gradient_step_(*args)
+        else:
+            _ops.gradient_step_(*args, "triton")
+        results.append(_bits(params + moms))
+    assert _same_bits(results[0], results[1]) and _same_bits(results[0], results[2])
+
+
+def test_gradient_step_rejects_bad_arguments():
+    params, moms, grads = _gradient_inputs(torch.float32, True, shapes=[(4, 3), (5,)])
+    schedule = _gradient_schedule([1.0, 0.1, 0.5])
+    before = _bits(params + moms)
+    step = fgfw_triton.gradient_step_
+    for args, message in [
+            ((params, moms, grads[:1], schedule), r"grads must hold one direction per parameter \(2\), got 1"),
+            ((params, moms[:1], grads, schedule), r"momentum must be empty \(no momentum\) or hold one tensor per "
+                                                  r"parameter \(2\), got 1"),
+            (([p.half() for p in params], [], [g.half() for g in grads], schedule),
+             "params must be float32 or float64"),
+            (([params[0], params[1].double()], [], grads, schedule),
+             r"params\[1\] must be a contiguous torch.float32"),
+            (([params[0].t(), params[1]], [], grads, schedule), r"params\[0\] must be a contiguous"),
+            ((params, [moms[0], moms[1].double()], grads, schedule),
+             r"momentum\[1\] must be a contiguous torch.float32"),
+            ((params, moms, [grads[0], grads[1][:4]], schedule),
+             r"grads\[1\] must be a contiguous torch.float32 tensor of 5 elements"),
+            ((params, moms, [grads[0].t(), grads[1]], schedule), r"grads\[0\] must be a contiguous"),
+            ((params, moms, grads, schedule.float()), r"schedule must be a contiguous float64 tensor \(step, alpha, "
+                                                      r"gamma\) or \(step, alpha, gamma, skip\)"),
+            ((params, moms, grads, _gradient_schedule([1.0, 0.1, 0.5, 0.0, 0.0])), "schedule must be"),
+            (([], [], [], torch.zeros(2, dtype=torch.float64)), "schedule must be")]:
+        with pytest.raises(ValueError, match=message):
+            step(*args)
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="grads"):
+            step(params, moms, [grads[0], grads[1].to("meta")], schedule)
+    assert _same_bits(before, _bits(params + moms))
+
+
+def test_gradient_step_and_skippable_steps_pass_opcheck():
+    """torch.library.opcheck on the custom ops with 4-element schedules: the fake, the schema's mutations (params,
+    momentum; and gap for the steps), on a step that runs (skip 0) and one that is skipped."""
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    for skip in (0.0, 1.0):
+        params, moms, grads = _gradient_inputs(torch.float32, True, shapes=[(3, 5), (7,)])
+        torch.library.opcheck(torch.ops.fgfw_triton.gradient_step_.default,
+                              (params, moms, grads, torch.tensor([2.0, 0.5, 0.25, skip], **f64)))
+        args = ([torch.randn(5, device=DEVICE)], [torch.zeros(5, device=DEVICE)], [],
+                torch.tensor([2.0, 0.5, 0.25, skip], **f64), torch.tensor([0.3], **f64), [1.0], True, [0], 5, 1,
+                torch.zeros((), **f64), [])
+        torch.library.opcheck(torch.ops.fgfw_triton.l1_fw_step_.default, args)
+        torch.library.opcheck(torch.ops.fgfw_triton.linf_fw_step_.default, args)

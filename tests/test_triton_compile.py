@@ -4,7 +4,9 @@ registers, each Philox call made once per thread).
 
 Here, on the main stack, a sample: every kernel of the fused steps (L1 rows of every tile width, blocks and
 finalize, the gap sum, the set steps' passes, the fills) with float32 parameters, Gaussian tangents and momentum,
-the most register-hungry direction. CI's oldest stack (scripts/test_stack.sh oldest, Triton 3.6 as on the GPU
+the most register-hungry direction, and the optimizers' default schedule (with its skip element, read by every
+kernel on the device: an early return); the gradient step (an unconstrained group's) in float32 and float64 with
+momentum. CI's oldest stack (scripts/test_stack.sh oldest, Triton 3.6 as on the GPU
 machines) compiles aot's whole "ci" tier. The compiling runs in a child process: conftest.py sets
 TRITON_INTERPRET=1 on a machine without a GPU, and under it fgfw's kernels are interpreted functions, which do not
 compile.
@@ -25,9 +27,11 @@ import pytest
 triton = pytest.importorskip("triton")
 
 TRITON_SOURCES = Path(__file__).resolve().parents[1] / "python" / "fgfw" / "triton"
-SAMPLE = r"^(l1|linf|lp2\.0|ksparse)_.*_float32_gaussian_momentum_aligned$|^fill_gaussian_float32"
+SAMPLE = (r"^(l1|linf|lp2\.0|ksparse)_.*_float32_gaussian_momentum_aligned$|^fill_gaussian_float32"
+          r"|^gradient_float(32|64)_momentum_aligned$")
 KERNELS = {"_fw_rows_kernel", "_fw_blocks_kernel", "_fw_finalize_kernel", "_gap_sum_kernel", "_set_reduce_kernel",
-           "_set_update_kernel", "_lp_finalize_kernel", "_feedback_kernel", "_fill_tangent_kernel"}
+           "_set_update_kernel", "_lp_finalize_kernel", "_feedback_kernel", "_fill_tangent_kernel",
+           "_gradient_step_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,29 @@ def test_every_kernel_is_in_the_sample(report):
     # every tile width of the rows kernel
     from fgfw.triton import aot
     assert {k["constants"]["SEG"] for k in report["kernels"] if k["name"] == "_fw_rows_kernel"} == set(aot.SEGS)
+    # every step kernel as the optimizers launch it by default: reading the schedule's skip element
+    for kernel in report["kernels"]:
+        if kernel["name"] != "_fill_tangent_kernel":
+            assert kernel["constants"]["SKIPPABLE"] is True, kernel
+    assert {k["constants"]["DTYPE"] for k in report["kernels"] if k["name"] == "_gradient_step_kernel"} == {
+        "fp32", "fp64"}
+
+
+def test_the_launch_matrix_covers_the_schedules_and_the_gradient_step():
+    """Both schedules (with the skip element: the optimizers' default; without: check_finite=False) and every
+    variant of the gradient step are in aot's tiers: "ci" samples the 3-element steps, "full" crosses them all."""
+    from fgfw.triton import aot
+    for tier in ("ci", "full"):
+        names = [name for name, _ in aot.launch_cases(tier)]
+        assert len(names) == len(set(names))
+        noskip = [n for n in names if n.endswith("_noskip")]
+        assert any(n.startswith("l1_") for n in noskip) and any(n.startswith("ksparse_") for n in noskip)
+        gradient = {n for n in names if n.startswith("gradient_")}
+        assert {f"gradient_{d}_{m}_{a}" for d in ("float32", "float64") for m in ("momentum", "plain")
+                for a in ("aligned", "unaligned")} <= gradient
+    full = [name for name, _ in aot.launch_cases("full")]
+    steps = [n for n in full if not n.startswith(("fill_", "gradient_"))]
+    assert 2 * len([n for n in steps if n.endswith("_noskip")]) == len(steps)
 
 
 def test_the_sample_compiles_without_spills_within_the_register_bound(report):

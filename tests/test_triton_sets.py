@@ -7,6 +7,7 @@ Without a GPU the kernels run in Triton's interpreter on CPU tensors (as tests/t
 cases are covered on a subset of their product: every set and scope with one source, the other sources and
 dtypes on fewer combinations.
 """
+import math
 import os
 
 import pytest
@@ -260,3 +261,101 @@ def test_custom_ops_route_from_the_optimizers_entry(kind, param):
         results.append((params[0].cpu(), momentum[0].cpu(), float(gap)))
     for p, v, g in results[1:]:
         assert torch.equal(p, results[0][0]) and torch.equal(v, results[0][1]) and g == results[0][2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A skipped step: a schedule (step, alpha, gamma, skip) with skip != 0, read by every kernel on the device, writes
+# no bit of the params, momentum or norm scales and NaN into the gap (reference.schedule_values); skip = 0 is the
+# 3-element step. Small shapes (the interpreter): rows of 33, a vector, an empty tensor, a tensor of two tiles
+# (rows of it in the row scope: balls of several chunks, whose Lp partials the finalize combines).
+
+_SKIP_SHAPES = [(7, 33), (5,), (0,), (2, 2100)]
+_SKIP_ROW_NUMEL = {"tensor": [0, 0, 0, 0], "row": [33, 0, 0, 2100], "global": [0, 0, 0, 0]}
+_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+           torch.float16: torch.int16}
+
+
+def _bits(tensors):
+    return [t.detach().cpu().contiguous().view(_INT_OF[t.dtype]).clone() for t in tensors]
+
+
+def _skip_step(kind, param, scope, source, schedule, *, dtype=torch.float32, momentum=True, poison=False):
+    """The Triton step with this schedule: (bits of params + momentum + scales before, after, gap)."""
+    row_numel = _SKIP_ROW_NUMEL[scope]
+    balls = [1] if scope == "global" else [s[0] if n else 1 for s, n in zip(_SKIP_SHAPES, row_numel)]
+    params = [_randn(*s, seed=20 + t, dtype=dtype) * 1e-2 for t, s in enumerate(_SKIP_SHAPES)]
+    moms = [_randn(*s, seed=30 + t, dtype=reference.compute_dtype(dtype)) for t, s in enumerate(_SKIP_SHAPES)] \
+        if momentum else []
+    grads = [_randn(*s, seed=40 + t, dtype=dtype) for t, s in enumerate(_SKIP_SHAPES)] if source == "grad" else []
+    coeffs = torch.tensor([0.7, -1.1], dtype=torch.float64, device=DEVICE)
+    # the norm feedback's scales: within the band the step keeps, not all 1 (Lp and k-sparse)
+    scales = [1 + torch.arange(-2, c - 2, dtype=torch.float64, device=DEVICE) * 2.0**-24 for c in balls] \
+        if kind != "linf" else []
+    if poison:
+        params[0].view(-1)[0] = -0.0
+        if grads:
+            grads[0].view(-1)[3] = float("nan")
+            grads[3].view(-1)[-1] = -float("inf")
+        else:
+            coeffs = torch.tensor([float("nan"), 1.0], dtype=torch.float64, device=DEVICE)
+    radii = [0.3] if scope == "global" else [0.2 + 0.05 * b for b in range(sum(balls))]
+    offsets = [0, 232, 240, 241]  # the last off a Philox call boundary
+    before = _bits(params + moms + scales)
+    gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
+    STEPS[kind](params, moms, grads, torch.tensor(schedule, dtype=torch.float64, device=DEVICE), coeffs, radii,
+                scope == "global", offsets, 11, RADEMACHER, gap, row_numel,
+                **set_cases.set_extra(kind, param, scales))
+    return before, _bits(params + moms + scales), float(gap)
+
+
+SKIP_KINDS = [("linf", None), ("lp", 1.5), ("lp", 2.0), ("ksparse", 3)]
+
+
+@pytest.mark.parametrize("source", ["grad", "rademacher"])
+@pytest.mark.parametrize("scope", set_cases.SCOPES)
+@pytest.mark.parametrize("kind,param", SKIP_KINDS)
+def test_a_skipped_step_writes_no_bit_and_a_nan_gap(kind, param, scope, source):
+    for skip in (1.0, float("nan")):
+        before, after, gap = _skip_step(kind, param, scope, source, [3.0, 0.2, 0.4, skip], poison=True)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) and math.isnan(gap), f"skip={skip}"
+    for dtype, momentum in ((torch.float64, False), (torch.bfloat16, True)):
+        before, after, gap = _skip_step(kind, param, scope, source, [3.0, 0.2, 0.4, -1.0], dtype=dtype,
+                                        momentum=momentum, poison=True)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) and math.isnan(gap), (dtype, momentum)
+
+
+@pytest.mark.parametrize("scope", set_cases.SCOPES)
+@pytest.mark.parametrize("kind,param", SKIP_KINDS)
+def test_skip_zero_is_the_three_element_step(kind, param, scope):
+    source = "grad" if scope == "row" else "rademacher"
+    _, three, gap_three = _skip_step(kind, param, scope, source, [3.0, 0.2, 0.4])
+    before, four, gap_four = _skip_step(kind, param, scope, source, [3.0, 0.2, 0.4, 0.0])
+    assert all(torch.equal(a, b) for a, b in zip(three, four))
+    assert not all(torch.equal(a, b) for a, b in zip(before, four))
+    assert gap_three == gap_four and math.isfinite(gap_three)
+
+
+def test_a_skipped_step_without_elements_writes_a_nan_gap():
+    coeffs = torch.tensor([1.0], dtype=torch.float64, device=DEVICE)
+    for kind, param in ONE_OF_EACH:
+        extra = set_cases.set_extra(kind, param)
+        for schedule, nan in (([1.0, 0.5, 0.5, 1.0], True), ([1.0, 0.5, 0.5, 0.0], False)):
+            schedule = torch.tensor(schedule, dtype=torch.float64, device=DEVICE)
+            gap = torch.full((), 7.0, dtype=torch.float64, device=DEVICE)
+            STEPS[kind]([], [], [], schedule, coeffs, [], False, [], 0, RADEMACHER, gap, [], **extra)
+            assert math.isnan(float(gap)) if nan else float(gap) == 0.0
+            gap.fill_(7.0)
+            STEPS[kind]([torch.empty(0, device=DEVICE)], [], [], schedule, coeffs, [1.0], True, [0], 0, RADEMACHER,
+                        gap, [], **extra)
+            assert math.isnan(float(gap)) if nan else float(gap) == 0.0
+
+
+def test_a_schedule_of_another_length_is_refused():
+    params = [torch.zeros(6, device=DEVICE)]
+    for step, extra in ((set_steps.linf_fw_step_, {}), (set_steps.lp_fw_step_, dict(p=2.0, scales=[])),
+                        (set_steps.ksparse_fw_step_, dict(k=2, scales=[]))):
+        with pytest.raises(ValueError, match=r"\(step, alpha, gamma\) or \(step, alpha, gamma, skip\)"):
+            step(params, [], [torch.ones(6, device=DEVICE)], torch.zeros(5, dtype=torch.float64, device=DEVICE),
+                 torch.zeros(0, dtype=torch.float64), [1.0], False, [], 0, RADEMACHER,
+                 torch.zeros((), dtype=torch.float64, device=DEVICE), [], **extra)
+    assert torch.equal(params[0], torch.zeros(6, device=DEVICE))

@@ -372,13 +372,13 @@ void run_fw_step(const char* op, at::TensorList params, at::TensorList momentum,
                      distribution, gap, row_numel);
   check_scales(op, params, scales, global_ball, row_numel);
   double* gap_out = gap.data_ptr<double>();
-  if (params.empty()) {
-    *gap_out = 0;
-    return;
-  }
   const double* sched = schedule.data_ptr<double>();
   if (schedule.numel() == 4 && sched[3] != 0) {  // a skipped step (reference.schedule_values)
     *gap_out = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
+  if (params.empty()) {
+    *gap_out = 0;
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "fw_step_cpu", [&] {

@@ -3,7 +3,7 @@
 Kernels compile for CUDA devices; with TRITON_INTERPRET=1 set in the environment before this package
 is imported, they run in Triton's interpreter on CPU tensors instead (slow; for tests).
 
-``fill_tangent_`` and ``l1_fw_step_`` here are the plain launchers; importing the package also
+``fill_tangent_``, ``l1_fw_step_`` and ``gradient_step_`` here are the plain launchers; importing the package also
 registers them as the custom ops ``torch.ops.fgfw_triton.*`` (see ``ops.py``), which torch.compile
 can trace and which the optimizers call.
 """
@@ -18,9 +18,10 @@ __all__ = ["is_available"]
 if triton is not None:
     from . import ops  # noqa: F401  (registers torch.ops.fgfw_triton)
     from .fw_step import l1_fw_step_
+    from .gradient_step import gradient_step_
     from .tangent import INTERPRET, fill_tangent_, fill_tangent_at_step_
 
-    __all__ += ["fill_tangent_", "fill_tangent_at_step_", "l1_fw_step_"]
+    __all__ += ["fill_tangent_", "fill_tangent_at_step_", "gradient_step_", "l1_fw_step_"]
 
 
 def is_available() -> bool:

@@ -4,7 +4,9 @@ A GPU run found kernels that a newer Triton compiled and an older one did not (a
 sm_90), in variants no test had compiled. Here the launchers themselves run, in ``compile_only`` mode, over a
 matrix of the arguments the optimizers and the op API pass (``launch_cases``): every set, parameter dtype,
 direction (backprop or forward gradient, Gaussian or Rademacher tangents, with and without momentum), ball
-layout (tensor, rows of every tile width, global; aligned or not) and the tangent fills. Each launch compiles
+layout (tensor, rows of every tile width, global; aligned or not), the schedule with its skip element (the
+optimizers' default, check_finite: SKIPPABLE kernels) and without, the unconstrained groups' gradient step and the
+tangent fills. Each launch compiles
 for the target instead of running, exactly as it would specialise on a GPU (constexprs, the alignment of the
 CPU tensors' addresses standing for device addresses, integers of 1), and each distinct kernel is then checked
 with ptxas's register and spill report (``check``).
@@ -37,7 +39,7 @@ import torch
 import triton
 
 from .. import reference
-from . import fw_step, set_steps, tangent
+from . import fw_step, gradient_step, set_steps, tangent
 
 CAPABILITY = 90  # H100 / H200
 # sm_90 has 64K 32-bit registers per SM: up to 128 per thread keeps two 8-warp step programs on an SM at once,
@@ -127,11 +129,18 @@ def _tensor(numel: int, dtype: torch.dtype, aligned: bool) -> torch.Tensor:
     return torch.zeros(numel + 1, dtype=dtype)[1:]
 
 
+def _schedule(skippable: bool) -> torch.Tensor:
+    """A step's schedule: (step, alpha, gamma, skip) as the optimizers pass it with check_finite (their default;
+    the kernels read the skip on the device), or (step, alpha, gamma) without."""
+    return torch.tensor([3.0, 0.25, 0.5, 0.0] if skippable else [3.0, 0.25, 0.5], dtype=torch.float64)
+
+
 def _step_args(shapes: list[tuple[int, int]], dtype: torch.dtype, direction: tuple, aligned: bool,
-               global_ball: bool) -> dict:
+               global_ball: bool, skippable: bool = True) -> dict:
     """The arguments of a fused step over tensors of ``shapes`` ((rows, row length); row length 0 for a tensor
     ball), as the optimizers pass them: stream offsets at multiples of 4, momentum in the compute dtype,
-    gradients in the parameters' dtype, two tangents."""
+    gradients in the parameters' dtype, two tangents, the schedule with its skip element (``skippable``) or
+    without."""
     _, has_grad, gaussian, has_momentum = direction
     compute = reference.compute_dtype(dtype)
     params = [_tensor(rows * max(n, 1), dtype, aligned) for rows, n in shapes]
@@ -143,7 +152,7 @@ def _step_args(shapes: list[tuple[int, int]], dtype: torch.dtype, direction: tup
     balls = 1 if global_ball else sum(rows if n else 1 for rows, n in shapes)
     args = dict(params=params, momentum=[_tensor(p.numel(), compute, aligned) for p in params] if has_momentum else [],
                 grads=[_tensor(p.numel(), dtype, aligned) for p in params] if has_grad else [],
-                schedule=torch.tensor([3.0, 0.25, 0.5], dtype=torch.float64),
+                schedule=_schedule(skippable),
                 tangent_coeffs=torch.tensor([0.5, -1.0], dtype=torch.float64), radii=[1.0] * balls,
                 global_ball=global_ball, offsets=offsets, seed=7,
                 distribution=reference.GAUSSIAN if gaussian else reference.RADEMACHER,
@@ -195,6 +204,12 @@ def _ci_plan():
     ]
 
 
+def _ci_noskip_plan():
+    """The "ci" tier's samples of the steps without a skip element (check_finite=False: kernels that read none)."""
+    return [(("l1",), (_F32,), HEAVY, True, _SAMPLE, True),
+            (("linf", "lp2.0", "ksparse"), (_F32,), ("gaussian_momentum",), True, (256,), True)]
+
+
 def _full_plan():
     every = tuple(name for name, *_ in DIRECTIONS)
     sets = ("l1", "linf", *(f"lp{p}" for p in LP_EXPONENTS), "ksparse")
@@ -214,25 +229,44 @@ def launch_cases(tier: str = "ci") -> Iterator[tuple[str, Callable[[], None]]]:
     directions (HEAVY: the most live values, so the most registers) in float32 and float64, and samples of the
     rest. Both: the tangent fills in every dtype (the lean engine draws tangents in the parameters' dtype), the
     step as a number or read from device memory, on and off a Philox call's boundary.
+
+    The steps take the optimizers' default schedule, with a skip element (SKIPPABLE kernels); those without one
+    (check_finite=False; cases named ``..._noskip``) are crossed with every case in "full", sampled in "ci"
+    (_ci_noskip_plan). The gradient step (an unconstrained group's): float32 and float64, with and without
+    momentum, aligned or not, with a skip element; without one, a sample in "ci", all in "full".
     """
     directions = {name: d for d in DIRECTIONS for name in [d[0]]}
     seen = set()
-    for sets, dtypes, names, aligned, widths, balls in (_full_plan() if tier == "full" else _ci_plan()):
+    if tier == "full":
+        plan = [(entry, skippable) for entry in _full_plan() for skippable in (True, False)]
+    else:
+        plan = [(entry, True) for entry in _ci_plan()] + [(entry, False) for entry in _ci_noskip_plan()]
+    for (sets, dtypes, names, aligned, widths, balls), skippable in plan:
         for dtype in dtypes:
             for name in names:
                 direction = directions[name]
                 tag = f"{str(dtype).removeprefix('torch.')}_{name}_{'aligned' if aligned else 'unaligned'}"
+                tag += "" if skippable else "_noskip"
                 layouts = [("rows", _row_shapes(aligned, widths), False)]
                 if balls:
                     layouts += [("tensors", _tensor_shapes(aligned), False), ("global", _tensor_shapes(aligned), True)]
                 for layout, shapes, global_ball in layouts:
-                    args = functools.partial(_step_args, shapes, dtype, direction, aligned, global_ball)
+                    args = functools.partial(_step_args, shapes, dtype, direction, aligned, global_ball, skippable)
                     for kind in sets:
                         case = f"{kind}_{layout}_{tag}"
                         if case in seen:
                             continue
                         seen.add(case)
                         yield case, functools.partial(_launch, kind, args)
+    for dtype in (_F32, _F64):
+        for momentum in (True, False):
+            for aligned in (True, False):
+                for skippable in (True, False):
+                    if not skippable and tier != "full" and not (momentum and aligned):
+                        continue
+                    yield (f"gradient_{str(dtype).removeprefix('torch.')}_{'momentum' if momentum else 'plain'}_"
+                           f"{'aligned' if aligned else 'unaligned'}{'' if skippable else '_noskip'}",
+                           functools.partial(_gradient, dtype, momentum, aligned, skippable))
     for dtype in DTYPES:
         for distribution, name in ((reference.GAUSSIAN, "gaussian"), (reference.RADEMACHER, "rademacher")):
             for lead in (0, 1):
@@ -249,6 +283,14 @@ def _launch(kind: str, args: Callable[[], dict]) -> None:
         _set_step(set_steps.ksparse_fw_step_, args(), k=3)
     else:
         _set_step(set_steps.lp_fw_step_, args(), p=float(kind.removeprefix("lp")))
+
+
+def _gradient(dtype: torch.dtype, momentum: bool, aligned: bool, skippable: bool) -> None:
+    """The gradient step over a tensor of full blocks and a tail, and a short one."""
+    numels = (3 * gradient_step._BLOCK + 5, 37)
+    gradient_step.gradient_step_([_tensor(n, dtype, aligned) for n in numels],
+                                 [_tensor(n, dtype, aligned) for n in numels] if momentum else [],
+                                 [_tensor(n, dtype, aligned) for n in numels], _schedule(skippable))
 
 
 def _fill(dtype: torch.dtype, distribution: int, lead: int) -> None:

@@ -27,6 +27,12 @@ launches, with no host synchronisation (schedule and coefficients are read by po
 
 The 12 x 1024 MLP with row balls (12,300 balls of 1024) is two launches: rows, gap sum.
 
+A skipped step (a schedule of 4 elements whose skip, schedule[3], is not 0: reference.schedule_values) is read
+by every kernel on the device, first thing (SKIPPABLE, a constexpr: the schedule has 4 elements), never on the
+host: the blocks kernel returns at once, writing nothing; the rows and finalize kernels write NaN into their
+balls' shares of the gap (the gap itself when the step has one ball) and nothing else; the gap sum writes NaN
+into the gap without reading the shares. No kernel reads a workspace that a skipped kernel did not write.
+
 Why one launch over a table rather than one launch per tensor or per row: a model has tens to
 hundreds of parameter tensors and thousands of rows, and every Triton launch costs microseconds of
 Python, more than the whole update of a small tensor. Everything but the addresses is laid out on
@@ -98,6 +104,14 @@ _RBLOCK = 1024
 
 _INF = tl.constexpr(float("inf"))
 _NO_INDEX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _nan_f64():
+    """NaN as float64 bits. Not a global constexpr: compiled Triton (3.6) compares a kernel's globals with their
+    values at compile time before it reuses the kernel, and NaN never equals itself, so every launch after the
+    first raised "Global variable ... has changed" (seen on an H200; the interpreter does not check)."""
+    return tl.full([], 0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)
 
 
 @triton.jit
@@ -264,11 +278,14 @@ def _fw_blocks_kernel(block_tensor, meta, schedule, tangent_coeffs, block_factor
                       partial_dot, partial_units, key_lo, key_hi, n_tangents, PARAM_DTYPE: tl.constexpr,
                       GRAD_DTYPE: tl.constexpr,
                       COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                      GAUSSIAN: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
+                      GAUSSIAN: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, SKIPPABLE: tl.constexpr):
     # ``block_tensor`` maps a slot to its segment's row of ``meta``. Block b of a segment covers stream
     # indices STREAM_BASE + [b * 4 ROWS, (b + 1) * 4 ROWS), whole Philox calls; its element j sits LEAD
     # (= stream index of its first element % 4) positions into the stream, so the first block of a
     # segment that does not start on a call boundary starts at j = -LEAD (masked off).
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:  # a skipped step (see the module docstring): nothing written
+            return
     slot = tl.program_id(0)
     segment = meta + tl.load(block_tensor + slot).to(tl.int64) * _META_STRIDE
     tensor = meta + tl.load(segment + _TENSOR) * _META_STRIDE
@@ -361,7 +378,7 @@ def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, factor
                     n_tangents,
                     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                     HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr,
-                    ALIGNED: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr):
+                    ALIGNED: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr, SKIPPABLE: tl.constexpr):
     # ``program_group`` maps a program to its group's row of ``meta``. Program p of a group holds its
     # balls (p - FIRST_PROGRAM) * BALLS + [0, BALLS), those past the group's BALLS masked off. Ball b
     # (n elements from element b n) starts at stream index STREAM_BASE + b n, LEAD = that % 4
@@ -376,6 +393,10 @@ def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, factor
     row = tl.arange(0, BALLS)
     live = first_row + row < n_balls
     ball = tl.load(group + _FIRST_BALL) + first_row + row
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:  # a skipped step: NaN shares of the gap (the gap itself for one ball)
+            tl.store(ball_gap + ball, _nan_f64() + tl.zeros([BALLS], dtype=tl.float64), mask=live)
+            return
     if ALIGNED:
         n4 = tl.load(group + _ROW_NUMEL) >> 2
         first = first_row * n4 * 4  # the program's first element in the tensor
@@ -419,12 +440,16 @@ def _fw_rows_kernel(program_group, meta, schedule, tangent_coeffs, radii, factor
 @triton.jit
 def _fw_finalize_kernel(balls, ball_radii, factors, block_tensor, meta, schedule, partial_d, partial_index,
                         partial_dot, partial_units, ball_gap, PARAM_DTYPE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                        RBLOCK: tl.constexpr):
+                        RBLOCK: tl.constexpr, SKIPPABLE: tl.constexpr):
     # balls: per long ball (first slot, number of slots, ball index in ball_radii and ball_gap, elements).
     program = tl.program_id(0)
+    ball = tl.load(balls + 4 * program + 2)
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:  # a skipped step: a NaN share, no partial read (none was written)
+            tl.store(ball_gap + ball, _nan_f64())
+            return
     first = tl.load(balls + 4 * program)
     end = first + tl.load(balls + 4 * program + 1)
-    ball = tl.load(balls + 4 * program + 2)
     numel = tl.load(balls + 4 * program + 3)
     dot = tl.zeros([RBLOCK], dtype=tl.float64)
     old_units = tl.zeros([], dtype=tl.int64)
@@ -459,7 +484,12 @@ def _fw_finalize_kernel(balls, ball_radii, factors, block_tensor, meta, schedule
 
 
 @triton.jit(do_not_specialize=["n_balls"])
-def _gap_sum_kernel(ball_gap, gap, n_balls, RBLOCK: tl.constexpr):
+def _gap_sum_kernel(ball_gap, gap, n_balls, schedule, RBLOCK: tl.constexpr, SKIPPABLE: tl.constexpr):
+    """gap = the sum of the n_balls shares in ball_gap, in order; NaN on a skipped step (the shares unread)."""
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:
+            tl.store(gap, _nan_f64())
+            return
     total = tl.zeros([RBLOCK], dtype=tl.float64)
     for chunk in range(0, n_balls, RBLOCK):
         i = chunk + tl.arange(0, RBLOCK)
@@ -687,6 +717,7 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
         raise ValueError(f"radii must hold one radius per ball ({balls}, "
                          f"{'one per row of each tensor with a row_numel' if any(row_numel) else 'one per parameter'})"
                          f", got {len(radii)}")
+    check_schedule(schedule, params[0].device if params else None)
     if not params:
         return
     device, dtype = params[0].device, params[0].dtype
@@ -714,17 +745,37 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
         raise ValueError(f"tangent_coeffs must be a non-empty contiguous float64 tensor on {device} when grads is "
                          f"empty, got {tangent_coeffs.dtype} with {tangent_coeffs.numel()} elements on "
                          f"{tangent_coeffs.device} (contiguous={tangent_coeffs.is_contiguous()})")
-    if (schedule.dtype != torch.float64 or schedule.numel() != 3 or schedule.device != device
-            or not schedule.is_contiguous()):
-        raise ValueError(f"schedule must be a contiguous float64 tensor (step, alpha, gamma) on {device}, got "
-                         f"{schedule.dtype} with {schedule.numel()} elements on {schedule.device} "
-                         f"(contiguous={schedule.is_contiguous()})")
     if gap.device != device:
         raise ValueError(f"gap must be on {device}, got {gap.device}")
     if not grads and (len(offsets) != len(params) or min(offsets) < 0):
         # as the reference: tensors sharing an offset would share tangent values, a biased estimate
         raise ValueError(f"offsets must give each of the {len(params)} params its non-negative stream offset for "
                          f"the forward gradient, got {list(offsets)}")
+
+
+def check_schedule(schedule: torch.Tensor, device: torch.device | None) -> None:
+    """A step's schedule: a contiguous float64 tensor (step, alpha, gamma) or (step, alpha, gamma, skip)
+    (reference.schedule_values), on ``device`` (any device when None: a step without params)."""
+    if (schedule.dtype != torch.float64 or schedule.numel() not in (3, 4) or not schedule.is_contiguous()
+            or (device is not None and schedule.device != device)):
+        raise ValueError(f"schedule must be a contiguous float64 tensor (step, alpha, gamma) or (step, alpha, gamma, "
+                         f"skip){'' if device is None else f' on {device}'}, got {schedule.dtype} with "
+                         f"{schedule.numel()} elements on {schedule.device} (contiguous={schedule.is_contiguous()})")
+
+
+def skippable(schedule: torch.Tensor) -> bool:
+    """Whether a step's kernels read a skip (schedule[3]) on the device: the schedule has 4 elements."""
+    return schedule.numel() == 4
+
+
+def empty_gap_(gap: torch.Tensor, schedule: torch.Tensor) -> None:
+    """The gap of a step with no element: 0, or NaN when the schedule's skip is not 0 (reference.schedule_values),
+    decided on the device (torch ops, no host read)."""
+    if skippable(schedule):
+        skip = schedule[3]
+        gap.copy_(torch.where(skip != 0, torch.full_like(skip, math.nan), torch.zeros_like(skip)))
+    else:
+        gap.zero_()
 
 
 def _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, distribution,
@@ -747,13 +798,15 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
 
     All params share one device and dtype (the optimizer calls once per group) and are contiguous;
     momentum has the compute dtype (float64 for float64 params, else float32); grads share one dtype.
+    ``schedule``: (step, alpha, gamma), or (step, alpha, gamma, skip), whose skip the kernels read on the device:
+    not 0, the step writes nothing but NaN into ``gap``.
     The first call for a set of tensors and balls uploads their tables (host-to-device copies, so warm
     up before capturing a CUDA graph); later calls only launch kernels.
     """
     row_numel = _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
                                    distribution, gap, row_numel)
     if not params:
-        gap.zero_()
+        empty_gap_(gap, schedule)
         return
     has_grad, has_momentum = bool(grads), bool(momentum)
     device = params[0].device
@@ -762,7 +815,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
                      (0,) * len(params) if has_grad else tuple(int(o) for o in offsets), _radii_token(radii),
                      bool(global_ball), has_grad)
     if layout.n_balls == 0:
-        gap.zero_()
+        empty_gap_(gap, schedule)
         return
     addresses = tuple(a for t, p in enumerate(params) for a in (
         p.data_ptr(), momentum[t].data_ptr() if has_momentum else 0, grads[t].data_ptr() if has_grad else 0))
@@ -777,7 +830,7 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     kernel_args = dict(
         PARAM_DTYPE=param_dtype, GRAD_DTYPE=TL_DTYPES[grads[0].dtype] if has_grad else param_dtype,
         COMPUTE_DTYPE=compute_dtype, HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum,
-        GAUSSIAN=distribution == reference.GAUSSIAN,
+        GAUSSIAN=distribution == reference.GAUSSIAN, SKIPPABLE=skippable(schedule),
         # enable_fp_fusion=False: no FMA contraction, so every product and sum rounds as in the reference
         # (it matters for ties in argmax |d| and costs nothing in a memory-bound kernel).
         enable_fp_fusion=False, maxnreg=_MAX_REGISTERS)
@@ -807,7 +860,8 @@ def l1_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
             _fw_finalize_kernel[(layout.n_long_balls,)](
                 layout.long_balls, layout.radii, layout.factors, layout.block_tensor, meta, schedule, partial_d,
                 partial_index, partial_dot, partial_units, ball_gap, PARAM_DTYPE=param_dtype,
-                COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, num_warps=8, enable_fp_fusion=False,
-                maxnreg=_MAX_REGISTERS)
+                COMPUTE_DTYPE=compute_dtype, RBLOCK=_RBLOCK, SKIPPABLE=skippable(schedule), num_warps=8,
+                enable_fp_fusion=False, maxnreg=_MAX_REGISTERS)
         if layout.n_balls > 1:
-            _gap_sum_kernel[(1,)](ball_gap, gap, layout.n_balls, RBLOCK=_RBLOCK, num_warps=4)
+            _gap_sum_kernel[(1,)](ball_gap, gap, layout.n_balls, schedule, RBLOCK=_RBLOCK,
+                                  SKIPPABLE=skippable(schedule), num_warps=4)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fw_step, set_steps, tangent
+from . import fw_step, gradient_step, set_steps, tangent
 
 NAMESPACE = "fgfw_triton"
 
@@ -103,4 +103,17 @@ def ksparse_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], g
 @ksparse_fw_step_.register_fake
 def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,
       gap, row_numel, k, scales) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gradient_step_", mutates_args=("params", "momentum"))
+def gradient_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
+                   schedule: torch.Tensor) -> None:
+    """``fgfw.triton.gradient_step.gradient_step_`` (an unconstrained group's step, every tensor in one launch) as a
+    custom op."""
+    gradient_step.gradient_step_(params, momentum, grads, schedule)
+
+
+@gradient_step_.register_fake
+def _(params, momentum, grads, schedule) -> None:
     return None

@@ -28,6 +28,13 @@ in slot order (tensor, ball, chunk), so every result is deterministic.
 Everything about the tiles is laid out on the host from metadata only (sizes, row lengths, stream
 offsets, radii) and cached (``_plan``); a step allocates its workspaces, launches, and never reads
 device data on the host.
+
+A skipped step (a schedule of 4 elements whose skip, schedule[3], is not 0: reference.schedule_values) is read
+by every kernel on the device, first thing (SKIPPABLE: the schedule has 4 elements), as in fw_step.py: the
+reduction, Lp finalize, update and feedback passes return at once, writing nothing (no momentum, parameter,
+workspace or scale), and the gap sum writes NaN into the gap without reading the shares. The k-sparse selection
+between the passes (torch ops) still runs, on a key workspace the skipped reduction did not write; what it
+writes only the skipped update pass would read.
 """
 from __future__ import annotations
 
@@ -43,21 +50,14 @@ import triton.language as tl
 from .. import reference
 from .feasibility import (_INF, _SUM_CAP, _capped_sum, _dense_update, _next_norm_scale, _norm_units, _saturating_add,
                           _toward_zero, units_factor)
-from .fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _Radii, _radii_token, _step_factors,
-                      hold_while_capturing)
+from .fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _nan_f64, _Radii, _radii_token,
+                      _step_factors, empty_gap_, hold_while_capturing, skippable)
 from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
 
 # The step's set (KIND): plain ints on the host, constexprs in the kernels.
 LINF, LP, KSPARSE = 0, 1, 2
 _LINF, _LP = tl.constexpr(LINF), tl.constexpr(LP)
 
-
-@triton.jit
-def _nan_f64():
-    """NaN as float64 bits. Not a global constexpr: compiled Triton (3.6) compares a kernel's globals with their
-    values at compile time before it reuses the kernel, and NaN never equals itself, so every launch after the
-    first raised "Global variable ... has changed" (seen on an H200; the interpreter does not check)."""
-    return tl.full([], 0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)
 
 _MIN_SEG = 4
 # Elements per thread: 8 as the L1 step's (a tile of BLOCK on 8 warps), but 4 for the Lp kernels, whose
@@ -163,9 +163,12 @@ def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_
                        chunks, slot_base, key_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr,
                        COMPUTE_DTYPE: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                        GAUSSIAN: tl.constexpr, NO_LEAD: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr,
-                       Q: tl.constexpr):
+                       Q: tl.constexpr, SKIPPABLE: tl.constexpr):
     """The reduction pass of the Lp and k-sparse steps: updates the momentum, then writes each tile row's
-    (max|d|, sum (|d| / max|d|)^q) (Lp) or every element's magnitude key (k-sparse)."""
+    (max|d|, sum (|d| / max|d|)^q) (Lp) or every element's magnitude key (k-sparse). Nothing on a skipped step."""
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:
+            return
     ball, live, chunk, e, valid, position, calls = _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD, BALLS, SEG)
     d = _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
                    COMPUTE_DTYPE, HAS_GRAD, HAS_MOMENTUM, True, GAUSSIAN, BALLS, SEG)
@@ -186,10 +189,14 @@ def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_
 
 
 @triton.jit(do_not_specialize=["n_balls", "chunks", "slot_base", "stat_base"])
-def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, n_balls, chunks, slot_base, stat_base,
-                        Q: tl.constexpr, INV_Q: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, schedule, n_balls, chunks, slot_base, stat_base,
+                        Q: tl.constexpr, INV_Q: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                        SKIPPABLE: tl.constexpr):
     """Per ball (chunks slots from slot_base + ball chunks): M = max m and ||x||_q = (sum S (m / M)^q)^(1/q),
-    0 for an all-zero ball (the vertex is 0 there), NaN when a |d| is NaN."""
+    0 for an all-zero ball (the vertex is 0 there), NaN when a |d| is NaN. Nothing on a skipped step."""
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:
+            return
     ball = tl.program_id(0) * RB + tl.arange(0, RB)
     live = ball < n_balls
     first = slot_base + ball.to(tl.int64) * chunks
@@ -222,14 +229,17 @@ def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, f
                        pos_base, key_lo, key_hi, n_tangents, KIND: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                        HAS_GRAD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GAUSSIAN: tl.constexpr,
                        NO_LEAD: tl.constexpr, BALLS: tl.constexpr, SEG: tl.constexpr, Q_MINUS_1: tl.constexpr,
-                       P: tl.constexpr, FEEDBACK: tl.constexpr):
+                       P: tl.constexpr, FEEDBACK: tl.constexpr, SKIPPABLE: tl.constexpr):
     """The update pass: theta <- scale theta + alpha (s - scale theta) (reference.dense_update: s in float64,
     rounded; held within +-R for the L-infinity and k-sparse sets; scale the ball's norm feedback, 1 without),
     and each tile row's share of the gap <d, theta_old - s> (s in float64, as the reference) and, with FEEDBACK,
     its norm sums of the values stored and of the exact step (k-sparse: units of the grid of k r, whose factor
     is ``factors``; Lp: (|x| / r)^p). The L-infinity step updates the momentum here (its only pass). stat_a,
     stat_b: (max|d|, ||x||_q) per Lp ball, (threshold key, last position taken at the threshold) per k-sparse
-    ball, both at stat_base + ball."""
+    ball, both at stat_base + ball. Nothing on a skipped step."""
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:
+            return
     ball, live, chunk, e, valid, position, calls = _ball_tile(n_balls, n, stream_base, chunks, NO_LEAD, BALLS, SEG)
     d = _direction(momentum, grad, position, valid, calls, schedule, tangent_coeffs, key_lo, key_hi, n_tangents,
                    COMPUTE_DTYPE, HAS_GRAD, HAS_MOMENTUM, KIND == _LINF, GAUSSIAN, BALLS, SEG)
@@ -279,13 +289,16 @@ def _set_update_kernel(param, momentum, grad, schedule, tangent_coeffs, radii, f
 
 
 @triton.jit(do_not_specialize=["n_balls", "chunks", "slot_base", "ball_base"])
-def _feedback_kernel(fb_stored, fb_exact, radii, factors, scales, bound_times, n_balls, chunks, slot_base, ball_base,
-                     P: tl.constexpr, INTEGER: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RB: tl.constexpr,
-                     CB: tl.constexpr):
+def _feedback_kernel(fb_stored, fb_exact, radii, factors, scales, schedule, bound_times, n_balls, chunks, slot_base,
+                     ball_base, P: tl.constexpr, INTEGER: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, RB: tl.constexpr,
+                     CB: tl.constexpr, SKIPPABLE: tl.constexpr):
     """Per ball (chunks slots from slot_base + ball chunks): its norm sums, and the next step's scale
     (reference.next_norm_scale) into scales[ball]. INTEGER: the k-sparse units sums, added stopping at their cap
     (order-free), a capped one counting as infinite, and the bound bound_times r in units; else the Lp sums of
-    (|x| / r)^p, bound 1."""
+    (|x| / r)^p, bound 1. Nothing on a skipped step: the scales keep their bits."""
+    if SKIPPABLE:
+        if tl.load(schedule + 3) != 0:
+            return
     ball = tl.program_id(0) * RB + tl.arange(0, RB)
     live = ball < n_balls
     first = slot_base + ball.to(tl.int64) * chunks
@@ -471,7 +484,7 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                                    distribution, gap, row_numel)
     _check_scales(params, scales, bool(global_ball), row_numel)
     if not params:
-        gap.zero_()
+        empty_gap_(gap, schedule)
         return
     has_grad, has_momentum = bool(grads), bool(momentum)
     device = params[0].device
@@ -480,14 +493,15 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                  bool(global_ball), has_grad)
     hold_while_capturing(plan)
     if plan.slots == 0:
-        gap.zero_()
+        empty_gap_(gap, schedule)
         return
     compute_dtype = reference.compute_dtype(params[0].dtype)
     key_lo, key_hi = key_words(seed)
     # With grads, tangent_coeffs is never read and may be on any device: pass one that is on the params'.
     coeffs, n_tangents = (schedule, 0) if has_grad else (tangent_coeffs, tangent_coeffs.numel())
+    skip = skippable(schedule)  # every kernel reads the skip on the device
     flags = dict(COMPUTE_DTYPE=TL_DTYPES[compute_dtype], HAS_GRAD=has_grad, HAS_MOMENTUM=has_momentum,
-                 GAUSSIAN=distribution == reference.GAUSSIAN,
+                 GAUSSIAN=distribution == reference.GAUSSIAN, SKIPPABLE=skip,
                  # no FMA contraction: every product and sum rounds as in the reference
                  enable_fp_fusion=False, maxnreg=_MAX_REGISTERS)
     q = p / (p - 1)  # as reference.lp_vertex
@@ -521,8 +535,9 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                     cb = min(_FINALIZE_BLOCK, triton.next_power_of_2(chunks))
                     rb = _FINALIZE_BLOCK // cb
                     _lp_finalize_kernel[(triton.cdiv(balls, rb),)](
-                        part_max, part_sum, stat_a, stat_b, balls, chunks, slot_base, stat_base, Q=q, INV_Q=1.0 / q,
-                        RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
+                        part_max, part_sum, stat_a, stat_b, schedule, balls, chunks, slot_base, stat_base, Q=q,
+                        INV_Q=1.0 / q, RB=rb, CB=cb, SKIPPABLE=skip, num_warps=4, maxnreg=_MAX_REGISTERS,
+                        enable_fp_fusion=False)
             else:
                 stat_a, stat_b = _select(keys, plan.classes, k, plan.n_stats)
         feedback = kind != LINF and bool(scales)
@@ -551,10 +566,11 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                 cb = min(_RBLOCK, triton.next_power_of_2(chunks))
                 rb = max(1, min(_RBLOCK // cb, triton.next_power_of_2(balls)))
                 _feedback_kernel[(triton.cdiv(balls, rb),)](
-                    fb_stored, fb_exact, plan.radii, factors, out, float(k), balls, chunks, slot_base, ball_base,
-                    P=float(p) if kind == LP else 1.0, INTEGER=integer, COMPUTE_DTYPE=TL_DTYPES[compute_dtype],
-                    RB=rb, CB=cb, num_warps=4, maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
-        _gap_sum_kernel[(1,)](gap_part, gap, plan.slots, RBLOCK=_RBLOCK, num_warps=4)
+                    fb_stored, fb_exact, plan.radii, factors, out, schedule, float(k), balls, chunks, slot_base,
+                    ball_base, P=float(p) if kind == LP else 1.0, INTEGER=integer,
+                    COMPUTE_DTYPE=TL_DTYPES[compute_dtype], RB=rb, CB=cb, SKIPPABLE=skip, num_warps=4,
+                    maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
+        _gap_sum_kernel[(1,)](gap_part, gap, plan.slots, schedule, RBLOCK=_RBLOCK, SKIPPABLE=skip, num_warps=4)
 
 
 def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
