@@ -296,10 +296,11 @@ class FGFW(_ForwardGradientFrankWolfe):
         backend, check_finite: as in :class:`FrankWolfe`; a non-finite directional derivative raises
             ``ValueError`` (deferred, as there) and leaves parameters and state untouched.
         estimator: ``"weight"`` (default, the paper's: tangents over the parameters) or ``"activity"``
-            (tangents over the outputs of the ``nn.Linear`` layers, see :mod:`fgfw.activity`: every
-            parameter must belong to an ``nn.Linear``, the closure must return per-example losses, e.g.
+            (tangents over the outputs of the layers that hold the parameters, see :mod:`fgfw.activity`,
+            which says which outputs are per example and which shared by the batch; the closure must return
+            per-example losses, e.g.
             ``F.cross_entropy(logits, y, reduction="none")``, whose mean is minimised, and ``engine``
-            does not apply). Far lower variance; it keeps each linear layer's input during the pass.
+            does not apply). Far lower variance; it keeps each perturbed layer's input during the pass.
         recompute_inputs: with ``estimator="activity"``, keep no layer input through the forward-mode pass
             and run the closure once more, plainly, to build the estimate layer by layer: memory of an
             inference forward plus a parameter-sized estimate, for one extra forward. The closure must be
