@@ -30,6 +30,15 @@ void check_companion(const char* op, const char* list, size_t t, const at::Tenso
   TORCH_CHECK(tensor.is_contiguous(), op, ": ", list, "[", t, "] must be contiguous");
 }
 
+// params[t] must share params[0]'s device and dtype (one call per device and dtype) and be contiguous.
+void check_param(const char* op, size_t t, const at::Tensor& p, c10::Device device, at::ScalarType dtype) {
+  TORCH_CHECK(p.device() == device, op, ": params[", t, "] is on ", p.device(),
+              " but params[0] is on ", device, " (one call per device)");
+  TORCH_CHECK(p.scalar_type() == dtype, op, ": params[", t, "] has dtype ", p.scalar_type(),
+              " but params[0] has ", dtype, " (one call per dtype)");
+  TORCH_CHECK(p.is_contiguous(), op, ": params[", t, "] must be contiguous");
+}
+
 }  // namespace
 
 void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t distribution) {
@@ -101,11 +110,7 @@ void check_fw_step_args(const char* op, at::TensorList params, at::TensorList mo
     const at::ScalarType cdt = compute_dtype(dtype);
     for (size_t t = 0; t < n; ++t) {
       const at::Tensor& p = params[t];
-      TORCH_CHECK(p.device() == device, op, ": params[", t, "] is on ", p.device(),
-                  " but params[0] is on ", device, " (one call per device)");
-      TORCH_CHECK(p.scalar_type() == dtype, op, ": params[", t, "] has dtype ", p.scalar_type(),
-                  " but params[0] has ", dtype, " (one call per dtype)");
-      TORCH_CHECK(p.is_contiguous(), op, ": params[", t, "] must be contiguous");
+      check_param(op, t, p, device, dtype);
       if (!momentum.empty()) {
         check_companion(op, "momentum", t, momentum[t], p, cdt, "the compute dtype of the params");
       }
@@ -161,11 +166,7 @@ void check_gradient_step_args(at::TensorList params, at::TensorList momentum, at
               "master copy), got ", dtype);
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
-    TORCH_CHECK(p.device() == device, op, ": params[", t, "] is on ", p.device(),
-                " but params[0] is on ", device, " (one call per device)");
-    TORCH_CHECK(p.scalar_type() == dtype, op, ": params[", t, "] has dtype ", p.scalar_type(),
-                " but params[0] has ", dtype, " (one call per dtype)");
-    TORCH_CHECK(p.is_contiguous(), op, ": params[", t, "] must be contiguous");
+    check_param(op, t, p, device, dtype);
     if (!momentum.empty()) {
       check_companion(op, "momentum", t, momentum[t], p, dtype, "the params' dtype");
     }
