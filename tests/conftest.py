@@ -132,6 +132,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: the test exercises GPU code when a GPU is there (kept by --gpu-only)")
+    # pytest-timeout (the GPU run's per-test limit) reads this marker; registered here too for runs without it
+    config.addinivalue_line("markers", "timeout(seconds): a longer per-test limit for a test that is slow on purpose")
     config.addinivalue_line("markers", "shared_data: the test reads ../shared/data and skips where it is absent (a skip "
                                        "FGFW_NO_SKIP_EVERYWHERE allows: the data, not a GPU, is missing)")
 

@@ -394,6 +394,7 @@ def random_row_layout(rng, count):
     return shapes, row_numel
 
 
+@pytest.mark.timeout(300)  # thousands of reference balls one by one: 52 s on an H200 beside other tests
 @pytest.mark.parametrize("per_row_radii", [False, True])
 def test_many_row_balls_over_several_rows_launches(fgfw_ops, device, per_row_radii):
     # 600 tensors (about 1,300 balls) fill three tables of the rows kernel; tensors 100 and 400 have
@@ -429,6 +430,7 @@ def test_row_balls_at_the_warp_ball_limit(fgfw_ops, device, dtype, distribution)
         assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
 
 
+@pytest.mark.timeout(300)  # the reference's 3,075 balls one by one: over 60 s on an H200 beside other tests
 def test_mlp_rows_match_reference(fgfw_ops, device):
     # three layers of the 12 x 1024 benchmark MLP: 3,075 balls of 1,024 elements, all on the rows kernel
     shapes = [s for _ in range(3) for s in ((1024, 1024), (1024,))]

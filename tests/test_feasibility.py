@@ -53,6 +53,7 @@ def _least_squares(d=50, seed=0):
     return a, a @ (3.0 * x_true / x_true.abs().sum())
 
 
+@pytest.mark.timeout(300)  # 20,000 host-driven steps: 35-50 s on an H200 beside other tests
 @pytest.mark.parametrize("step_size", ["2/(k+2)", 1e-3, "1/k"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32_iterates_stay_inside_the_ball_with_exact_gradients(backend, step_size):
@@ -127,6 +128,7 @@ def _frank_wolfe(constraint, problem, dtype, steps, backend, device, *, plain=Fa
     return values, worst.tolist()
 
 
+@pytest.mark.timeout(300)  # 40,000 host-driven steps: 40-60 s on an H200 beside other tests
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32_frank_wolfe_has_no_error_floor(backend):
     """Issue 21's target: float32 FrankWolfe on an L1 least-squares problem (d = 50, f* certified) ends within 4e-6

@@ -651,11 +651,14 @@ def test_a_skipped_step_without_elements_writes_a_nan_gap():
 def test_step_schedule_of_three_or_four_elements_only():
     params = [torch.ones(3, device=DEVICE)]
     gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
-    for schedule in (torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64),
-                     torch.zeros(4, dtype=torch.float32), torch.zeros(8, dtype=torch.float64)[::2]):
+    # made on DEVICE: .to(cuda) of the strided view would copy it into a contiguous tensor
+    for numel, dtype, stride in ((5, torch.float64, 1), (2, torch.float64, 1), (4, torch.float32, 1),
+                                 (4, torch.float64, 2)):
+        schedule = torch.zeros(numel * stride, dtype=dtype, device=DEVICE)[::stride]
+        assert schedule.numel() != 4 or schedule.dtype != torch.float64 or not schedule.is_contiguous()
         with pytest.raises(ValueError, match=r"schedule must be .*\(step, alpha, gamma\) or \(step, alpha, gamma, "
                                              r"skip\)"):
-            fgfw_triton.l1_fw_step_(params, [], [torch.ones(3, device=DEVICE)], schedule.to(DEVICE),
+            fgfw_triton.l1_fw_step_(params, [], [torch.ones(3, device=DEVICE)], schedule,
                                     torch.zeros(0, dtype=torch.float64), [1.0], False, [0], 0, RADEMACHER, gap)
     assert torch.equal(params[0], torch.ones(3, device=DEVICE))
 
