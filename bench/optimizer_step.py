@@ -10,7 +10,9 @@ so a host-bound step shows its host time. Methods (issue 29's names):
 * ``muon``: torch.optim.Muon on the hidden matrices (2-D, in the transformer blocks) + AdamW(fused) on the rest;
 * ``fw_readme_groups``: FrankWolfe (momentum 0.9) with the README's groups: row L1 balls on the weights, biases and
   norms unconstrained, an L-infinity ball on the embeddings;
-* ``fw_l1``: FrankWolfe (momentum 0.9), one L1 ball per tensor over every tensor;
+* ``fw_l1``: FrankWolfe (momentum 0.9), one L1 ball per tensor over every tensor; ``fw_l1_nonfinite_op``: the same
+  with the finite check in the fused op ``fgfw::nonfinite`` on CUDA (``_ops.CUDA_NONFINITE_OP``; the CPU's check is
+  that op already, so there the row repeats ``fw_l1``);
 * ``fw_scion``: FrankWolfe on Scion's sets: spectral-norm balls (bfloat16 quintic Newton-Schulz, as Muon's
   products) on the hidden matrices, L-infinity balls on the embeddings, biases and norms unconstrained;
   ``fw_scion_f32``: the same in float32; ``fw_scion_unbatched``: one Newton-Schulz per matrix
@@ -18,7 +20,8 @@ so a host-bound step shows its host time. Methods (issue 29's names):
 * ``afgfw_update``: AFGFW with the README's groups, the update alone after its forward pass (the fused step that
   regenerates the tangent; the forward-mode pass is bench/real_models.py's business);
 * one tensor (model ``single_<numel>``): ``copy`` (dst.copy_(src), the memory roof), ``adamw_fused``,
-  ``adamw_foreach``, ``fw_l1`` (the default check_finite), ``fw_l1_unchecked`` (check_finite=False).
+  ``adamw_foreach``, ``fw_l1`` (the default check_finite), ``fw_l1_nonfinite_op``, ``fw_l1_unchecked``
+  (check_finite=False).
 
     python bench/optimizer_step.py --device cuda --preset gpt2     # GPT-2 small (124 M) and one 1e8 tensor
     python bench/optimizer_step.py --preset small --threads 1      # a 4 x 256 GPT-2 and one 1e7 tensor, CPU
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 
 import fgfw
+from fgfw import _ops
 from fgfw.experiments import write_csv
 
 HERE = Path(__file__).resolve().parent
@@ -43,9 +47,9 @@ HERE = Path(__file__).resolve().parent
 PRESETS = {"gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, single=100_000_000),
            "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=50257, n_positions=256, single=10_000_000),
            "quick": dict(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, single=100_000)}
-GPT2_METHODS = ("adamw_fused", "adamw_foreach", "muon", "fw_readme_groups", "fw_l1", "fw_scion", "fw_scion_f32",
-                "fw_scion_unbatched", "afgfw_update")
-SINGLE_METHODS = ("copy", "adamw_fused", "adamw_foreach", "fw_l1", "fw_l1_unchecked")
+GPT2_METHODS = ("adamw_fused", "adamw_foreach", "muon", "fw_readme_groups", "fw_l1", "fw_l1_nonfinite_op", "fw_scion",
+                "fw_scion_f32", "fw_scion_unbatched", "afgfw_update")
+SINGLE_METHODS = ("copy", "adamw_fused", "adamw_foreach", "fw_l1", "fw_l1_nonfinite_op", "fw_l1_unchecked")
 
 
 def gpt2(size: dict, device: torch.device):
@@ -83,9 +87,9 @@ def make_optimizers(method: str, model) -> list:
                 torch.optim.AdamW([p for p in params if id(p) not in ids], lr=1e-3, fused=True)]
     if method == "fw_readme_groups":
         return [fgfw.FrankWolfe(readme_groups(model), constraint=fgfw.L1Ball(radius=1.0), momentum=0.9)]
-    if method in ("fw_l1", "fw_l1_unchecked"):
+    if method in ("fw_l1", "fw_l1_nonfinite_op", "fw_l1_unchecked"):
         return [fgfw.FrankWolfe(params, constraint=fgfw.L1Ball.relative_to_init(2.0), momentum=0.9,
-                                check_finite=method == "fw_l1")]
+                                check_finite=method != "fw_l1_unchecked")]
     if method.startswith("fw_scion"):
         hidden = hidden_matrices(model)
         ids = {id(p) for p in hidden}
@@ -132,9 +136,11 @@ def with_gradients(params, device: torch.device) -> None:
 
 
 def timed(case: Case, device: torch.device) -> float:
-    saved = fgfw.SpectralNormBall.batch_vertices
+    saved = fgfw.SpectralNormBall.batch_vertices, _ops.CUDA_NONFINITE_OP
     if case.method == "fw_scion_unbatched":
         fgfw.SpectralNormBall.batch_vertices = None  # the optimizer then calls vertex() once per matrix
+    if case.method == "fw_l1_nonfinite_op":
+        _ops.CUDA_NONFINITE_OP = True  # the finite check in fgfw::nonfinite on CUDA (the CPU's is that op already)
     try:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -144,7 +150,7 @@ def timed(case: Case, device: torch.device) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - begin
     finally:
-        fgfw.SpectralNormBall.batch_vertices = saved
+        fgfw.SpectralNormBall.batch_vertices, _ops.CUDA_NONFINITE_OP = saved
 
 
 def measure(model_name: str, cases: dict[str, Case], device: torch.device, warmup: int, repeats: int,

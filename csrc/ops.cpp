@@ -48,4 +48,7 @@ TORCH_LIBRARY(fgfw, m) {
   m.def("gradient_step_(Tensor(a!)[] params, Tensor(b!)[] momentum, Tensor[] grads, Tensor schedule) -> ()");
   // Whether every element of every tensor is finite (the optimizers' check_finite). CPU kernel only.
   m.def("all_finite(Tensor[] tensors) -> bool");
+  // Whether some element of some tensor is not finite, as a 0-dim bool tensor on the tensors' (one) device: the
+  // check without a host read (CPU and CUDA kernels; one read of each tensor).
+  m.def("nonfinite(Tensor[] tensors) -> Tensor");
 }

@@ -119,3 +119,35 @@ def check_row_balls(ops, device, dtype, distribution, momentum, grads):
         assert_same_step(expected, got, EXACT, gap_rtol=1e-12)
     else:
         assert_same_step(expected, got, GAUSSIAN_TOL, gap_rtol=1e-5)
+
+
+# -- the finite check (all_finite, nonfinite) -------------------------------------------------------------------
+def nonfinite_cases(device="cpu"):
+    """(tensors, expected) with expected from the definition (each value tested with math.isfinite), on ``device``."""
+    cases = []
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        info = torch.finfo(dtype)
+        extremes = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -0.0, 0.0], dtype=dtype)
+        cases.append(([extremes], True))  # the largest finite values and subnormals are finite
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            # sizes around the kernel's chunk (2^14) and a multi-chunk tensor that threads share
+            for n, at in ((1, 0), (100, 99), (1 << 14, (1 << 14) - 1), ((1 << 14) + 1, 1 << 14), (200_003, 150_001)):
+                x = torch.randn(n, generator=gen).to(dtype)
+                x[at] = bad
+                cases.append(([torch.ones(3, dtype=dtype), x], False))
+        cases.append(([torch.randn(200_003, generator=gen).to(dtype), torch.empty(0, dtype=dtype)], True))
+        # a non-contiguous view: the bad value is in it; another lies outside it and must not count
+        base = torch.randn(64, 64, generator=gen).to(dtype)
+        base[5, 0] = float("nan")
+        cases.append(([base[:, 1:]], True))
+        cases.append(([base.t()[0:1]], False))
+    return [([t.to(device) if t.is_contiguous() else _strided_copy(t, device) for t in tensors], expected)
+            for tensors, expected in cases]
+
+
+def _strided_copy(view: torch.Tensor, device) -> torch.Tensor:
+    """``view`` on ``device`` with its strides and offset (``.to`` would make it contiguous), so that only the
+    view's elements count there too."""
+    base = view._base if view._base is not None else view
+    return base.to(device).as_strided(view.shape, view.stride(), view.storage_offset())

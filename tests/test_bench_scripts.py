@@ -113,9 +113,10 @@ def test_optimizer_step_quick(tmp_path):
     with open(out_csv, newline="") as f:
         rows = {(r["model"], r["method"]): r for r in csv.DictReader(f)}
     assert set(rows) == {("gpt2_quick", m) for m in ("adamw_fused", "adamw_foreach", "muon", "fw_readme_groups",
-                                                     "fw_l1", "fw_scion", "fw_scion_f32", "fw_scion_unbatched",
-                                                     "afgfw_update")} | \
-        {("single_1e5", m) for m in ("copy", "adamw_fused", "adamw_foreach", "fw_l1", "fw_l1_unchecked")}
+                                                     "fw_l1", "fw_l1_nonfinite_op", "fw_scion", "fw_scion_f32",
+                                                     "fw_scion_unbatched", "afgfw_update")} | \
+        {("single_1e5", m) for m in ("copy", "adamw_fused", "adamw_foreach", "fw_l1", "fw_l1_nonfinite_op",
+                                     "fw_l1_unchecked")}
     assert all(float(r["x_adamw_fused"]) == 1.0 for (_, m), r in rows.items() if m == "adamw_fused")
     assert all(float(r["median_ms"]) > 0 and r["device"] == "cpu" for r in rows.values())
 

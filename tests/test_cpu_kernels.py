@@ -13,6 +13,7 @@ import torch
 from fgfw import _ops
 from fgfw import reference as ref
 
+import kernel_cases
 import set_cases
 from kernel_cases import (EXACT, GAUSSIAN, GAUSSIAN_TOL, PARAM_DTYPES, RADEMACHER, SHAPES, assert_same_step,
                           check_backprop_gradient, check_forward_gradient, check_row_balls, flat_offsets, make_group,
@@ -257,41 +258,20 @@ def test_row_balls_tie_lowest_index_of_each_row(fgfw_ops):
 
 
 # -- all_finite: the check_finite kernel -------------------------------------------------------------------------
-def _nonfinite_cases():
-    """(tensors, expected) with expected from the definition (each value tested with math.isfinite)."""
-    cases = []
-    gen = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        info = torch.finfo(dtype)
-        extremes = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -0.0, 0.0], dtype=dtype)
-        cases.append(([extremes], True))  # the largest finite values and subnormals are finite
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            # sizes around the kernel's chunk (2^14) and a multi-chunk tensor that threads share
-            for n, at in ((1, 0), (100, 99), (1 << 14, (1 << 14) - 1), ((1 << 14) + 1, 1 << 14), (200_003, 150_001)):
-                x = torch.randn(n, generator=gen).to(dtype)
-                x[at] = bad
-                cases.append(([torch.ones(3, dtype=dtype), x], False))
-        cases.append(([torch.randn(200_003, generator=gen).to(dtype), torch.empty(0, dtype=dtype)], True))
-        # a non-contiguous view: the bad value is in it; another lies outside it and must not count
-        base = torch.randn(64, 64, generator=gen).to(dtype)
-        base[5, 0] = float("nan")
-        cases.append(([base[:, 1:]], True))
-        cases.append(([base.t()[0:1]], False))
-    return cases
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_all_finite_kernel_agrees_with_the_definition(fgfw_ops, threads):
     import math
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for tensors, expected in _nonfinite_cases():
+        for tensors, expected in kernel_cases.nonfinite_cases():
             by_definition = all(math.isfinite(v) for t in tensors for v in t.double().reshape(-1).tolist())
             assert by_definition == expected
             assert fgfw_ops.all_finite(tensors) is expected
             assert ref.all_finite(tensors) is expected
             assert _ops.all_finite_multi_tensor(tensors) is expected  # the GPU's path, on the CPU
+            found = fgfw_ops.nonfinite(tensors)  # the same verdict as a tensor (the skip flag)
+            assert found.dtype == torch.bool and found.dim() == 0 and bool(found) is not expected
     finally:
         torch.set_num_threads(previous)
 

@@ -328,6 +328,52 @@ def test_step_never_synchronises(cuda_ops, grads):
     torch.cuda.synchronize()
 
 
+def test_nonfinite_agrees_with_the_definition(fgfw_ops, device):
+    """fgfw::nonfinite, the finite check without a host read, against math.isfinite on every value: the dtypes'
+    extremes, a bad value at chunk edges, views (only their own elements count), more tensors than one CUDA launch
+    holds, views one element off the 16-byte alignment, dtypes and integers mixed in one call; the verdict is a
+    0-dim bool tensor on the tensors' device."""
+    cases = kernel_cases.nonfinite_cases(device)
+    gen = torch.Generator().manual_seed(4)
+    many = [torch.randn(5 + t % 9, generator=gen).to(device) for t in range(300)]  # two launches of 256 rows
+    for at in (3, 290):
+        bad = [t.clone() for t in many]
+        bad[at][-1] = float("inf")
+        cases += [(bad, False)]
+    cases += [(many, True)]
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        x = torch.randn(4 * 4099 + 2, generator=gen).to(dtype).to(device)
+        for first, last in ((1, -1), (3, 4 * 4099 + 2)):  # unaligned starts: the kernel's scalar path
+            view = x[first:last]
+            cases += [([view], True)]
+            poisoned = x.clone()
+            poisoned[last - 1 if last > 0 else last - 1] = float("nan")
+            cases += [([poisoned[first:last]], False)]
+    cases += [([torch.arange(5, device=device), torch.ones(3, dtype=torch.bfloat16, device=device),
+                torch.tensor([1.0, float("nan")], dtype=torch.float64, device=device)], False)]
+    cases += [([torch.arange(5, device=device), torch.ones(3, dtype=torch.bfloat16, device=device)], True)]
+    for tensors, expected in cases:
+        by_definition = all(math.isfinite(v) for t in tensors for v in t.double().reshape(-1).tolist())
+        assert by_definition == expected
+        found = fgfw_ops.nonfinite(tensors)
+        assert found.dtype == torch.bool and found.dim() == 0 and found.device == tensors[0].device
+        assert bool(found) is not expected
+    with pytest.raises(RuntimeError, match="no tensor arguments"):  # the dispatcher's own error: no device to go by
+        fgfw_ops.nonfinite([])
+
+
+def test_nonfinite_never_synchronises(cuda_ops):
+    tensors = [torch.randn(1000, device=CUDA), torch.randn(7, dtype=torch.bfloat16, device=CUDA)]
+    tensors[1][3] = float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        found = cuda_ops.nonfinite(tensors)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert bool(found)
+
+
 def test_bad_arguments_are_named(fgfw_ops, device):
     params = [torch.zeros(4, device=device)]
     schedule = torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=device)

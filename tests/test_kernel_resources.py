@@ -1,8 +1,8 @@
 """Register, spill and stack use of the CUDA kernels, as ptxas reports it: a check that needs nvcc
 but no GPU.
 
-csrc/cuda/fw_step.cu, tangent.cu, set_steps.cu and gradient_step.cu are compiled for sm_90, device code
-only, with -Xptxas -v. No kernel may spill or keep a stack frame (local memory), but for the set steps'
+csrc/cuda/fw_step.cu, tangent.cu, set_steps.cu, gradient_step.cu and all_finite.cu are compiled for sm_90,
+device code only, with -Xptxas -v. No kernel may spill or keep a stack frame (local memory), but for the set steps'
 Gaussian direction kernels' 32-byte frame (below), and each must fit the blocks
 per SM that its __launch_bounds__ asks for, 256 threads a block: 4 for the float-accumulating
 chunk kernels (64 registers, kMinChunkBlocks in fw_step.cu), 3 for the double ones (80), 8 for the
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["csrc/cuda/fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/set_steps.cu", "csrc/cuda/gradient_step.cu"]
+SOURCES = ["csrc/cuda/fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/set_steps.cu", "csrc/cuda/gradient_step.cu",
+           "csrc/cuda/all_finite.cu"]
 ARCH = "90"
 REGS_PER_SM = 65536
 THREADS = 256

@@ -295,10 +295,14 @@ def test_the_check_adds_no_op_per_tensor():
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("nonfinite_op", [False, True])  # the check in torch ops (default) or fgfw::nonfinite
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_a_gpu_step_never_synchronises_and_raises_at_the_next_step(backend):
+def test_a_gpu_step_never_synchronises_and_raises_at_the_next_step(backend, nonfinite_op, monkeypatch):
     if not _ops.backend_available(backend, "cuda"):
         pytest.skip(f"backend {backend!r} is not available here")
+    if nonfinite_op and not _ops._has_kernel("nonfinite", "CUDA"):
+        pytest.skip("fgfw._C has no CUDA nonfinite (built without csrc/cuda/all_finite.cu)")
+    monkeypatch.setattr(_ops, "CUDA_NONFINITE_OP", nonfinite_op)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
     weights = [model[0].weight, model[2].weight]
@@ -348,8 +352,9 @@ def test_a_compiled_step_keeps_the_check_whole():
 
 
 def test_the_device_verdict_is_the_reference_on_every_path():
-    """_ops.nonfinite: the C++ kernel's answer on the CPU, the multi-tensor sums elsewhere (the GPU's path, run here on
-    CPU tensors), against reference.all_finite; float64 values whose sum overflows are finite."""
+    """_ops.nonfinite: the fused op's answer on the CPU (complex tensors as their real pairs), the multi-tensor sums
+    elsewhere (the GPU's default path, run here on CPU tensors), against reference.all_finite; float64 values whose
+    sum overflows are finite."""
     big = torch.full((5,), 1e308, dtype=torch.float64)
     cases = [[torch.ones(3), big], [torch.ones(3), big.clone().index_fill_(0, torch.tensor([2]), math.inf)],
              [torch.tensor([1.0, math.nan], dtype=torch.float16), torch.arange(4)],
@@ -358,6 +363,4 @@ def test_the_device_verdict_is_the_reference_on_every_path():
     for tensors in cases:
         want = ref.all_finite(tensors)
         assert bool(_ops._finite_multi_tensor(tensors, torch.device("cpu"))) == want
-        real = [t for t in tensors if not t.is_complex()]
-        if len(real) == len(tensors):
-            assert bool(_ops.nonfinite(tensors, torch.device("cpu"))) == (not want)
+        assert bool(_ops.nonfinite(tensors, torch.device("cpu"))) == (not want)

@@ -1,12 +1,12 @@
 """Fake (meta) implementations of the C++ ops of ``fgfw._C``, so that torch.compile can trace them.
 
-The ops only mutate their arguments in place: their schemas return ``()`` and mark every written
+The step ops only mutate their arguments in place: their schemas return ``()`` and mark every written
 tensor with ``(a!)``, which is all that functionalization and Inductor need to know. A fake call has
 no data to write and no output to describe, so it does nothing; the arguments are checked by the
 kernels themselves when the compiled graph runs (csrc/op_args.cpp), with the same errors as eager.
 (torch 2.14 infers this same trivial fake for a mutating op that returns nothing; registering it
 states the contract instead of relying on that inference, and is where an op with outputs would
-describe them.)
+describe them: ``nonfinite``, the one op that returns a tensor.)
 
 Imported by ``fgfw._ops`` right after ``fgfw._C``, whose ``TORCH_LIBRARY`` defines the ops.
 """
@@ -52,3 +52,9 @@ def _ksparse_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, rad
 @torch.library.register_fake("fgfw::gradient_step_")
 def _gradient_step_fake(params, momentum, grads, schedule) -> None:
     return None
+
+
+@torch.library.register_fake("fgfw::nonfinite")
+def _nonfinite_fake(tensors) -> torch.Tensor:
+    # the one op with an output: a 0-dim bool on the tensors' device
+    return torch.empty((), dtype=torch.bool, device=tensors[0].device)

@@ -314,17 +314,27 @@ def gradient_step_(params, momentum, grads, schedule, backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+# Whether a CUDA step's finite check runs the fused op (fgfw::nonfinite: one read of each gradient) instead of the
+# multi-tensor torch ops. Off until a GPU run measures both in one process (bench/optimizer_step.py's
+# fw_l1_nonfinite_op row against fw_l1): the H200 run of 805cda4 measured the torch ops' check at 0.49 ms on one
+# 1e8 tensor, where one read at copy speed takes 0.1 ms.
+CUDA_NONFINITE_OP = False
+
+
 def nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether some entry of ``tensors`` is not finite, as a 0-dim bool tensor on ``device``, with no host read off
-    the CPU: the C++ kernel when every tensor is on the CPU (one pass, no temporaries, its answer on the host
-    already), else multi-tensor ops (all_finite_multi_tensor's sums), whose number does not grow with the number
-    of tensors. Under torch.compile the reference's reductions, which dynamo traces."""
+    the CPU: the fused op when every tensor is on the CPU (one pass, no temporaries; on CUDA with
+    CUDA_NONFINITE_OP), else multi-tensor ops (all_finite_multi_tensor's sums), whose number does not grow with the
+    number of tensors. Under torch.compile the reference's reductions, which dynamo traces."""
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=device)
     if torch.compiler.is_compiling():
         return torch.stack([~torch.isfinite(t).all().to(device) for t in tensors]).any()
-    if _has_kernel("all_finite", "CPU") and all(t.device.type == "cpu" for t in tensors):
-        return torch.tensor(not torch.ops.fgfw.all_finite(tensors), device=device)
+    kind = tensors[0].device.type
+    if ((kind == "cpu" or (kind == "cuda" and CUDA_NONFINITE_OP)) and _has_kernel("nonfinite", kind.upper())
+            and all(t.device == tensors[0].device for t in tensors)):
+        found = torch.ops.fgfw.nonfinite([torch.view_as_real(t) if t.is_complex() else t for t in tensors])
+        return found if found.device == device else found.to(device)
     return ~_finite_multi_tensor(tensors, device)
 
 
