@@ -9,6 +9,7 @@ and metadata ops count too: each is a dispatcher round trip on the host.
   python bench/op_count.py                      # width 64, 2 and 12 layers
   python bench/op_count.py --max-ops 30         # exits 1 if an fgfw method dispatches more, or if its count
                                                 # changes with the depth
+  python bench/op_count.py --forward-gradient   # issue 30: a whole lean AFGFW step against an inference forward
 
 Methods: bench/optimizer_step.py's, by the same names: ``adamw_fused`` and ``adamw_foreach`` (torch.optim.AdamW),
 ``fw_readme_groups`` (FrankWolfe with the README's groups: L1 row balls on the weights, unconstrained biases and
@@ -28,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import optimizer_step  # noqa: E402  (the methods, defined once)
+
+import fgfw  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -62,6 +65,42 @@ def count(method: str, layers: int, width: int) -> collections.Counter:
     return counter.ops
 
 
+def count_forward_gradient(layers: int, width: int, batch: int = 4, length: int = 64) -> tuple[int, int]:
+    """(ops of an inference forward of the loss, ops of one lean AFGFW step: the forward-mode pass and the update)
+    on GPT-2 in eval mode (no dropout), the README's groups, one tangent, after two warm-up steps."""
+    model = gpt2(layers, width).eval()
+    tokens = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(2))
+
+    def closure():
+        return model(tokens, labels=tokens).loss
+
+    opt = fgfw.AFGFW(model, params=optimizer_step.readme_groups(model), constraint=fgfw.L1Ball(radius=1.0), seed=0,
+                     engine="lean")
+    for _ in range(2):
+        opt.step(closure)
+    inference, step = OpCounter(), OpCounter()
+    with torch.no_grad(), inference:
+        closure()
+    with step:
+        opt.step(closure)
+    return sum(inference.ops.values()), sum(step.ops.values())
+
+
+def forward_gradient_main(args) -> int:
+    print("| layers | inference forward | lean AFGFW step | ratio |")
+    print("|---:|---:|---:|---:|")
+    failures = []
+    for n in args.layers:
+        inference, step = count_forward_gradient(n, args.width)
+        print(f"| {n} | {inference} | {step} | {step / inference:.2f} |", flush=True)
+        if args.max_ratio is not None and step > args.max_ratio * inference:
+            failures.append(f"{n} layers: the lean step dispatches {step / inference:.2f}x the inference forward's "
+                            f"ops (at most {args.max_ratio})")
+    for failure in failures:
+        print(f"FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=64)
@@ -70,8 +109,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-ops", type=int, default=None,
                         help="fail (exit 1) if an fgfw method dispatches more ops, or a different number at two depths")
     parser.add_argument("--top", type=int, default=0, help="print the most frequent ops of each fgfw row")
+    parser.add_argument("--forward-gradient", action="store_true",
+                        help="count a whole lean AFGFW step (forward-mode pass + update) against an inference forward "
+                             "instead (issue 30), batch 4 x 64")
+    parser.add_argument("--max-ratio", type=float, default=None,
+                        help="with --forward-gradient: fail (exit 1) if the step dispatches more than this many times "
+                             "the inference forward's ops")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.forward_gradient:
+        return forward_gradient_main(args)
     print("| method | " + " | ".join(f"{n} layers" for n in args.layers) + " |")
     print("|---|" + "---:|" * len(args.layers))
     failures = []

@@ -31,6 +31,11 @@ def rule_cases():
     return {
         "linear": (lean.linear, F.linear, [randn(3, 4, 6), randn(5, 6), randn(5)], {}),
         "linear_1d": (lean.linear, F.linear, [randn(6), randn(5, 6), randn(5)], {}),
+        "addmm": (lean.addmm, torch.addmm, [randn(5), randn(4, 6), randn(6, 5)], {}),
+        "addmm_matrix_bias": (lean.addmm, torch.addmm, [randn(4, 5), randn(4, 6), randn(6, 5)], {}),
+        "mul": (lean.mul, torch.mul, [randn(3, 4), randn(3, 4)], {}),
+        "mul_broadcast": (lean.mul, torch.mul, [randn(2, 3, 4), randn(3, 1)], {}),
+        "mul_number": (lambda x: lean.mul(x, 0.044715), lambda x: torch.mul(x, 0.044715), [randn(3, 4)], {}),
         "conv2d": (lean.conv2d, F.conv2d, [randn(10, 3, 7, 7), randn(4, 3, 3, 3), randn(4)],
                    dict(stride=2, padding=1)),
         "conv2d_groups": (lean.conv2d, F.conv2d, [randn(3, 4, 6, 6), randn(6, 2, 3, 3), randn(6)],
@@ -84,7 +89,7 @@ def test_rule_matches_torch_jvp_and_finite_differences(name):
     torch.testing.assert_close(out_t, (plus - minus) / (2 * eps), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["linear", "conv2d", "layer_norm", "attention_float_mask"])
+@pytest.mark.parametrize("name", ["linear", "addmm", "mul", "conv2d", "layer_norm", "attention_float_mask"])
 def test_rule_with_some_inputs_constant(name):
     """Each input alone carrying a tangent (forward_ad leaves the others without one): the rule's None paths."""
     lean_fn, torch_fn, inputs, kwargs = RULES[name]
@@ -154,6 +159,9 @@ def test_unsupported_variants_are_declined():
     assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), weight=randn(3)) is NotImplemented
     assert lean.cross_entropy(x, torch.tensor([0, 1, 2, 0]), label_smoothing=0.1) is NotImplemented
     assert lean.scaled_dot_product_attention(x[None], x[None], x[None], dropout_p=0.1) is NotImplemented
+    assert lean.addmm(randn(3), x, randn(3, 3), beta=0.5) is NotImplemented
+    assert lean.mul(x, torch.ones(4, 3, dtype=torch.float32)) is NotImplemented  # mixed dtypes: torch's promotion
+    assert lean.mul(torch.arange(3), 2) is NotImplemented  # integers carry no tangent
 
 
 # -- the engines against backprop ------------------------------------------------------------------------------

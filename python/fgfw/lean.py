@@ -28,6 +28,11 @@ on the primals and tangents (:func:`_apply`): ``Function.apply``'s per-call mach
 small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 
 * ``F.linear`` (``nn.Linear``): none (``F.linear`` of the weight tangent, then ``addmm_`` into it).
+* ``torch.addmm`` (Hugging Face GPT-2's ``Conv1D``, weight stored (in, out)): none, likewise; torch's rule
+  computes the three products apart and adds them (two more output-sized buffers, five kernels instead of three).
+* ``torch.mul`` and ``*`` (two floating tensors of one dtype, or a tensor and a Python number: GELU's
+  polynomial, scalings): none (``a_dot b``, then ``addcmul_`` of ``a b_dot`` into it); torch's rule materialises
+  a zero tangent for a factor without one and converts a number to a tensor first.
 * ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
   batch chunk).
 * ``F.layer_norm``: the normalised input ``x_hat`` (row statistics by batched dot products, no
@@ -37,7 +42,9 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 * ``F.scaled_dot_product_attention``: the primal runs on any backend (flash / memory-efficient kernels
   have no forward-mode rule, but the rule never differentiates through them); the tangent
   ``dO = dP V + P dV`` with ``dP = P * (dS - rowsum(P * dS))`` is computed chunk by chunk of query rows,
-  so no (L x L) tangent, and no (L x L) primal beyond one chunk, is ever stored.
+  so no (L x L) tangent, and no (L x L) primal beyond one chunk, is ever stored. Its products are one ``bmm``
+  each over the flattened heads, on operands made contiguous once per call (heads split off a fused projection
+  are strided views that ``torch.matmul`` would copy chunk after chunk).
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
   ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
 
@@ -78,8 +85,23 @@ _CONV_CHUNKS = 8
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b, -1, keepdim=True) as a batched matrix product: no elementwise-product temporary."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1)
+    """sum(a * b, -1, keepdim=True) as a batched matrix product: no elementwise-product temporary. One bmm over
+    the rows (matmul on N-D operands adds expands, views and, for some strides, copies)."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    if a.shape != shape or b.shape != shape:
+        return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1)
+    size = shape[-1]
+    return torch.bmm(a.reshape(-1, 1, size), b.reshape(-1, size, 1)).view(*shape[:-1], 1)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for operands with the same leading dims, as one bmm over their flattened leading dims: torch.matmul
+    on 4-D operands expands and reshapes both, and copies a transposed operand it could have viewed."""
+    if a.dim() < 3 or a.shape[:-2] != b.shape[:-2]:
+        return a @ b
+    lead = a.shape[:-2]
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.view(*lead, *out.shape[-2:])
 
 
 def _batched_storage(x: torch.Tensor) -> torch.Tensor | None:
@@ -166,6 +188,74 @@ class LinearJvp(torch.autograd.Function):
                 _add_matmul_(t.view(-1, t.shape[-1]), x_t.reshape(-1, x_t.shape[-1]), weight.t())
         if bias_t is not None:
             t = bias_t.expand(*x.shape[:-1], weight.shape[0]).clone()
+        return t
+
+
+class AddmmJvp(torch.autograd.Function):
+    """y = b + x W (torch.addmm; Hugging Face GPT-2's Conv1D, W stored (in, out));
+    y_dot = b_dot + x W_dot + x_dot W, accumulated into one buffer (torch's rule adds three products apart)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(bias, x, weight):
+        return torch.addmm(bias, x, weight)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        _, x, weight = inputs
+        ctx.save_for_forward(x, weight)
+        ctx.out_shape = output.shape
+
+    @staticmethod
+    def jvp(ctx, bias_t, x_t, weight_t):
+        x, weight = ctx.saved_tensors
+        t = None
+        if weight_t is not None:
+            t = x @ weight_t if bias_t is None else torch.addmm(bias_t, x, weight_t)
+            bias_t = None
+        if x_t is not None:
+            if t is None:
+                t = x_t @ weight if bias_t is None else torch.addmm(bias_t, x_t, weight)
+                bias_t = None
+            else:
+                _add_matmul_(t, x_t, weight)
+        if bias_t is not None:
+            t = bias_t.expand(ctx.out_shape).clone()
+        return t
+
+
+class MulJvp(torch.autograd.Function):
+    """y = a * b (a tensor times a tensor or a number: GELU's polynomial, scalings);
+    y_dot = a_dot b + a b_dot, without the zero tangent torch's rule materialises for an input that has none."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        return a * b
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        a, b = inputs
+        if isinstance(b, torch.Tensor):
+            ctx.save_for_forward(a, b)
+        else:  # a number: an attribute (it has no tangent)
+            ctx.save_for_forward(a)
+            ctx.number = b
+
+    @staticmethod
+    def jvp(ctx, a_t, b_t):
+        if len(ctx.saved_tensors) == 1:
+            return a_t * ctx.number
+        a, b = ctx.saved_tensors
+        if a_t is None:
+            return a * b_t
+        t = a_t * b
+        if b_t is not None:
+            t = _addcmul_(t, a, b_t)
         return t
 
 
@@ -319,6 +409,10 @@ class AttentionJvp(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, query_t, key_t, value_t, mask_t, *_):
         query, key, value, mask = ctx.saved_tensors
+        # heads split off a fused projection are strided views that a bmm over flattened heads would copy, chunk
+        # after chunk: one contiguous copy of each here instead (contiguous() of a contiguous tensor is itself)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        query_t, key_t, value_t = (None if x is None else x.contiguous() for x in (query_t, key_t, value_t))
         length = query.shape[-2]
         key_T = key.transpose(-2, -1)
         key_t_T = None if key_t is None else key_t.transpose(-2, -1)
@@ -326,7 +420,7 @@ class AttentionJvp(torch.autograd.Function):
         for start in range(0, length, ctx.rows):
             rows = slice(start, min(length, start + ctx.rows))
             q = query[..., rows, :]
-            scores = (q @ key_T).mul_(ctx.scale)
+            scores = _matmul(q, key_T).mul_(ctx.scale)
             if mask is not None:
                 m = mask[..., rows, :] if mask.dim() >= 2 and mask.shape[-2] == length else mask
                 scores = scores.masked_fill_(~m, -math.inf) if m.dtype == torch.bool else scores.add_(m)
@@ -337,9 +431,9 @@ class AttentionJvp(torch.autograd.Function):
             del scores
             d_scores = None
             if query_t is not None:
-                d_scores = query_t[..., rows, :] @ key_T
+                d_scores = _matmul(query_t[..., rows, :], key_T)
             if key_t_T is not None:
-                d_scores = q @ key_t_T if d_scores is None else d_scores.add_(q @ key_t_T)
+                d_scores = _matmul(q, key_t_T) if d_scores is None else d_scores.add_(_matmul(q, key_t_T))
             if d_scores is not None:
                 d_scores.mul_(ctx.scale)
             if mask_t is not None:
@@ -348,9 +442,9 @@ class AttentionJvp(torch.autograd.Function):
             out_t = None
             if d_scores is not None:
                 d_probs = d_scores.sub_(_rowdot(probs, d_scores)).mul_(probs)
-                out_t = d_probs @ value
+                out_t = _matmul(d_probs, value)
             if value_t is not None:
-                out_t = probs @ value_t if out_t is None else out_t.add_(probs @ value_t)
+                out_t = _matmul(probs, value_t) if out_t is None else out_t.add_(_matmul(probs, value_t))
             chunks.append(out_t)
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -2)
 
@@ -398,6 +492,30 @@ def _apply(rule, *args):
 
 def linear(input, weight, bias=None):
     return _apply(LinearJvp, input, weight, bias)
+
+
+def addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    if beta != 1 or alpha != 1 or out is not None or not all(isinstance(a, torch.Tensor) for a in (input, mat1, mat2)):
+        return NotImplemented
+    return _apply(AddmmJvp, input, mat1, mat2)
+
+
+def mul(input, other, *, out=None):
+    """a * b of two real floating tensors of one dtype, or of such a tensor and a Python number (the product of a
+    tangent and the other factor has the output's broadcast shape, so the second term adds into it in place);
+    declined otherwise (torch's rule: type promotion, integers, complex)."""
+    if out is not None or not isinstance(input, torch.Tensor) or not input.is_floating_point():
+        return NotImplemented
+    if isinstance(other, torch.Tensor):
+        if not other.is_floating_point() or other.dtype != input.dtype:
+            return NotImplemented
+    elif not isinstance(other, (int, float)) or isinstance(other, bool):
+        return NotImplemented
+    return _apply(MulJvp, input, other)
+
+
+def rmul(input, other):
+    return mul(input, other)
 
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -473,6 +591,8 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
 
 _RULES = {
     F.linear: linear,
+    torch.addmm: addmm,
+    torch.mul: mul, torch.Tensor.mul: mul, torch.Tensor.__mul__: mul, torch.Tensor.__rmul__: rmul,
     F.conv2d: conv2d,
     F.layer_norm: layer_norm,
     F.softmax: softmax, torch.Tensor.softmax: softmax,
