@@ -6,7 +6,10 @@ Models, random init (nothing is downloaded), float32 on the CPU, bfloat16 in the
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel`` (the issue's 4 layers x 256, vocabulary 1,000: 3.5 M parameters);
 * ``llama``: Hugging Face ``LlamaForCausalLM`` of the same size (4 x 256, SwiGLU 688, RMSNorm, rotary positions);
 * GPU presets: ``gpt2_124m`` (12 x 768, vocabulary 50,257: GPT-2 small's shape) and ``llama_1b``
-  (16 x 2048, SwiGLU 5,632, vocabulary 32,000: 0.95 B parameters).
+  (16 x 2048, SwiGLU 5,632, vocabulary 32,000: 0.95 B parameters); preset ``gpt2`` (float32 unless ``--dtype``):
+  GPT-2 small at batch 8 x 512 (``gpt2_s512``) and 2 x 2048 (``gpt2_s2048``), issue 30's comparison, whose
+  ``inference``, ``afgfw_lean_k1`` and ``afgfw_activity`` are this script's ``forward``, ``afgfw_lean`` and
+  ``afgfw_activity_recompute``.
 
 The language models take random tokens and the next-token cross-entropy; dropout is 0 and the KV cache
 off (MeZO's two forwards and ``recompute_inputs`` need a deterministic closure). One step of each method:
@@ -14,6 +17,7 @@ off (MeZO's two forwards and ``recompute_inputs`` need a deterministic closure).
 =========================  ===========================================================================
 ``forward``                the loss under ``torch.no_grad()``: the yardstick of time and memory
 ``adam``                   ``torch.optim.Adam``, forward + backward
+``backprop_adamw``         ``torch.optim.AdamW(fused=True)``, forward + backward (issue 30's yardstick)
 ``frankwolfe``             ``fgfw.FrankWolfe``, momentum 0.9, forward + backward: the backprop reference
 ``frankwolfe_ckpt``        the same with activation checkpointing (``torch.utils.checkpoint`` around each
                            Transformer block / residual block; non-reentrant)
@@ -87,7 +91,7 @@ sys.path.insert(0, HERE)
 from mezo import MeZO  # noqa: E402
 from train_step import _hwm_bytes, _reset_hwm, _rss_bytes  # noqa: E402  (process memory, one definition)
 
-METHODS = ("forward", "adam", "frankwolfe", "frankwolfe_ckpt", "afgfw_lean", "afgfw_lean_k4", "afgfw_forward_ad",
+METHODS = ("forward", "adam", "backprop_adamw", "frankwolfe", "frankwolfe_ckpt", "afgfw_lean", "afgfw_lean_k4", "afgfw_forward_ad",
            "afgfw_activity", "afgfw_activity_recompute", "mezo")
 FGFW_OPTIONS = {  # AFGFW's keyword arguments per method
     "afgfw_lean": dict(engine="lean"),
@@ -109,6 +113,11 @@ PRESETS = {
         "gpt2_124m": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257), 8, 1024),
         "llama_1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16,
                                    intermediate_size=5632, vocab_size=32000), 4, 1024),
+    },
+    # issue 30's GPU comparison: GPT-2 small, float32 by default, 4,096 tokens per batch at sequence 512 and 2048
+    "gpt2": {
+        "gpt2_s512": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=2048), 8, 512),
+        "gpt2_s2048": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=2048), 2, 2048),
     },
     "tiny": {  # the smoke test's
         "resnet18": ("resnet", {}, 2, 32),
@@ -197,13 +206,17 @@ def make_step(method: str, model: nn.Module, kind: str, x, y):
             with torch.no_grad():
                 return closure()
         return step, None
-    if method in ("adam", "frankwolfe", "frankwolfe_ckpt"):
+    if method in ("adam", "backprop_adamw", "frankwolfe", "frankwolfe_ckpt"):
         if method == "frankwolfe_ckpt":
             enable_checkpointing(model, kind)
         closure = make_loss(model, kind, x, y, False)
-        opt = (torch.optim.Adam(model.parameters(), lr=1e-4) if method == "adam" else
-               fgfw.FrankWolfe(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=1e-3,
-                               momentum=0.9))
+        if method == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        elif method == "backprop_adamw":  # issue 30's yardstick: backprop + torch.optim.AdamW(fused=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        else:
+            opt = fgfw.FrankWolfe(model, constraint=fgfw.L1Ball.relative_to_init(2.0, scope="row"), step_size=1e-3,
+                                  momentum=0.9)
 
         def step():
             loss = closure()
@@ -414,7 +427,7 @@ def main() -> None:
     parser.add_argument("--timing-case", help=argparse.SUPPRESS)  # internal: the round-robin timing of a model
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32 on the CPU, bfloat16 on a GPU by default")
+    parser.add_argument("--dtype", default=None, help="float32, but bfloat16 for preset gpu on a GPU, by default")
     parser.add_argument("--models", default=None, help="comma-separated (default: every model of the preset)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {','.join(METHODS)}")
     parser.add_argument("--timing", choices=("round-robin", "per-case"), default=None,
@@ -434,7 +447,7 @@ def main() -> None:
     if args.timing_case:
         print(json.dumps(run_timing(**json.loads(args.timing_case))))
         return
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") and args.preset == "gpu" else "float32")
     args.timing = args.timing or ("per-case" if args.device.startswith("cuda") else "round-robin")
     models = args.models.split(",") if args.models else list(PRESETS[args.preset])
     methods = args.methods.split(",")

@@ -4,6 +4,7 @@
 #
 #   OUT=results/gpu bash scripts/gpu_check.sh key      # 198 s on an H200 (budget KEY_BUDGET=280 s)
 #   OUT=results/gpu bash scripts/gpu_check.sh tests    # ~5.5 min (budget TESTS_BUDGET=380 s)
+#   OUT=results/gpu bash scripts/gpu_check.sh models   # issue 30's GPT-2 rows, not yet timed (MODELS_BUDGET=300 s)
 #
 # Measured on an H200 (2026-11-27, code 805cda4): the sm_90 build 81 s, key 198 s in all (the build, the
 # optimizer-step rows 38 s, the kernel rows 47 s), tests: the CUDA part 120 s and the Triton part 154 s with 16
@@ -16,7 +17,9 @@
 #        CUDA kernels, Triton, then torch.compile (AFGFW at 1e8) last. Cases: 1e6 and 1e8 parameters in one
 #        tensor, the 200-tensor model, the 12 x 1024 MLP with row balls (the optimizer's call: whole
 #        tensors with row_numel), for AFGFW, FGFW and backprop FW; AFGFW with 4 Gaussian tangents at 1e8.
-#        Returns summary.txt, build.log, gaussian_roof.txt, kernel_gpu.csv, kernel_gpu.log, kernel_gpu.png.
+#        Also a torch.profiler table of one lean AFGFW step on GPT-2 small (scripts/profile_lean_step.py).
+#        Returns summary.txt, build.log, gaussian_roof.txt, kernel_gpu.csv, kernel_gpu.log, kernel_gpu.png,
+#        optimizer_step_gpu.csv, lean_profile.txt.
 # tests: the tests that need a GPU (pytest --gpu-only: CUDA kernels, compiled Triton, CUDA graphs, the
 #        property tests on cuda and triton; CI runs the rest) with FGFW_REQUIRE_CUDA_KERNELS=1, a per-test
 #        timeout and pytest-xdist; then compute-sanitizer memcheck (caching allocator off) and racecheck
@@ -40,7 +43,8 @@ phase=${1:-}
 case "$phase" in
   key) budget=${KEY_BUDGET:-280} ;;
   tests) budget=${TESTS_BUDGET:-380} ;;
-  *) echo "usage: OUT=dir bash scripts/gpu_check.sh key|tests" >&2; exit 2 ;;
+  models) budget=${MODELS_BUDGET:-300} ;;
+  *) echo "usage: OUT=dir bash scripts/gpu_check.sh key|tests|models" >&2; exit 2 ;;
 esac
 out=${OUT:-results/gpu}
 mkdir -p "$out"
@@ -147,6 +151,15 @@ if [ "$phase" = key ]; then
   run "optimizer step benchmark" 90 "${step_bench[@]}" --out "$out/optimizer_step_gpu.csv" \
     >"$out/optimizer_step_gpu.log" 2>&1
   grep -E "^(\||[a-z_0-9]+:)|Error" "$out/optimizer_step_gpu.log" | tee -a "$summary"
+  # issue 30: where one lean forward-gradient step spends host and device time
+  profile=(python3 scripts/profile_lean_step.py --device cuda)
+  [ -n "$dry" ] && profile=(python3 scripts/profile_lean_step.py --device cpu --tiny)
+  if python3 -c "import transformers" 2>/dev/null; then
+    run "lean step profile" 60 "${profile[@]}" --out "$out/lean_profile.txt" >"$out/lean_profile.log" 2>&1
+    grep -E "^(wall|lean AFGFW)" "$out/lean_profile.txt" 2>/dev/null | tee -a "$summary"
+  else
+    say "== lean step profile: not run (no transformers)"
+  fi
   mkdir -p "$root/.gpu"
   if command -v nvcc >/dev/null && run "gaussian_roof build" 40 nvcc -O3 -std=c++17 -arch=sm_90 -I csrc \
       bench/gaussian_roof.cu -o "$root/.gpu/gaussian_roof" >"$out/gaussian_roof.txt" 2>&1 && [ -z "$dry" ]; then
@@ -161,6 +174,20 @@ if [ "$phase" = key ]; then
   grep -E "^(FAILED|WARNING|DEADLINE)" "$out/kernel_gpu.log" | tee -a "$summary"
   grep -E "^\|" "$out/gaussian_roof.txt" | tee -a "$summary"
   grep -E "^\|" "$out/kernel_gpu.log" | tee -a "$summary"
+elif [ "$phase" = models ]; then
+  # issue 30: GPT-2 small, float32, batch 8 x 512 and 2 x 2048: inference, backprop + AdamW(fused), MeZO, lean
+  # AFGFW K = 1 and K = 4, the activity estimator with recompute_inputs; time and peak memory, each case a process
+  models=(python3 bench/real_models.py --preset gpt2 --device cuda --rounds 1 --repeats 3 --methods
+    forward,backprop_adamw,mezo,afgfw_lean,afgfw_lean_k4,afgfw_activity_recompute --case-timeout 120)
+  [ -n "$dry" ] && models=(python3 bench/real_models.py --preset tiny --device cpu --models gpt2 --rounds 1 \
+    --repeats 1 --methods forward,backprop_adamw,afgfw_lean)
+  if python3 -c "import transformers" 2>/dev/null; then
+    run "real models (GPT-2)" $((budget - 20)) "${models[@]}" --name real_models_gpu --out "$out" --figures "$out" \
+      >"$out/real_models_gpu.log" 2>&1
+    grep -E "^(gpt2|model )" "$out/real_models_gpu.log" | tee -a "$summary"
+  else
+    say "== real models: not run (no transformers)"
+  fi
 else
   xdist=()
   python3 -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_TEST_WORKERS:-16}" --dist load)

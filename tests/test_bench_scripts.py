@@ -37,7 +37,7 @@ def rows_of(path):
 
 @needs("transformers")
 def test_real_models_gpt2(tmp_path):
-    methods = ("forward", "adam", "frankwolfe", "afgfw_lean", "mezo")
+    methods = ("forward", "adam", "backprop_adamw", "frankwolfe", "afgfw_lean", "mezo")
     out = run("bench/real_models.py", "--preset", "tiny", "--models", "gpt2", "--methods", ",".join(methods),
               "--rounds", "1", "--repeats", "1", "--out", str(tmp_path), "--figures", str(tmp_path))
     rows = rows_of(tmp_path / "real_models_tiny.csv")
@@ -45,7 +45,8 @@ def test_real_models_gpt2(tmp_path):
     assert (tmp_path / "real_models_tiny.png").stat().st_size > 0
     weights = float(rows["gpt2", "forward"]["weights_mib"])
     state = {m: float(rows["gpt2", m]["state_mib"]) for m in methods}
-    assert state == pytest.approx(dict(forward=0, adam=2 * weights, frankwolfe=weights, afgfw_lean=weights, mezo=0))
+    assert state == pytest.approx(dict(forward=0, adam=2 * weights, backprop_adamw=2 * weights, frankwolfe=weights,
+                                       afgfw_lean=weights, mezo=0))
     for m in methods:
         assert float(rows["gpt2", m]["above_weights_mib"]) >= state[m]
     assert float(rows["gpt2", "frankwolfe"]["time_vs_frankwolfe"]) == 1.0

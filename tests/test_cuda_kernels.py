@@ -220,10 +220,16 @@ def test_single_element_and_empty_tensors(fgfw_ops, device):
 
 
 def test_empty_group_writes_zero_gap(fgfw_ops, device):
-    gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
-    fgfw_ops.l1_fw_step_([], [], [], torch.tensor([1.0, 0.5, 0.5], dtype=torch.float64, device=device),
-                         torch.tensor([1.0], dtype=torch.float64, device=device), [], False, [], 0, GAUSSIAN, gap)
-    assert gap.item() == 0.0
+    """No element: a gap of 0, or NaN when the schedule's skip is set (the CUDA op wrote 0 there before), for no
+    params and for empty tensors."""
+    coeffs = torch.tensor([1.0], dtype=torch.float64, device=device)
+    for values, expected in (((1.0, 0.5, 0.5), 0.0), ((1.0, 0.5, 0.5, 0.0), 0.0), ((1.0, 0.5, 0.5, 2.0), math.nan)):
+        schedule = torch.tensor(values, dtype=torch.float64, device=device)
+        for params, radii in (([], []), ([torch.empty(0, device=device), torch.empty(0, 3, device=device)], [1, 1])):
+            gap = torch.full((), 7.0, dtype=torch.float64, device=device)
+            fgfw_ops.l1_fw_step_(params, [], [], schedule, coeffs, radii, False, flat_offsets(params), 0, GAUSSIAN,
+                                 gap)
+            assert math.isnan(gap.item()) if math.isnan(expected) else gap.item() == expected, (values, len(params))
 
 
 @pytest.mark.parametrize("global_ball", [False, True])

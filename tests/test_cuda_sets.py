@@ -9,10 +9,11 @@ that this file's calls and expected errors are exercised without a GPU; its cuda
 GPU-only: test_no_host_synchronisation and test_cuda_graph_replays_equal_eager_steps.
 test_set_steps_registered_for_cuda needs no GPU, only a build with CUDA kernels.
 """
+import math
+
 import pytest
 import torch
 
-from fgfw import reference as ref
 
 import set_cases
 from set_cases import (CASES, GAUSSIAN, RADEMACHER, SCOPES, SOURCES, assert_set_step_matches,
@@ -218,19 +219,24 @@ def test_lp_and_friends_on_zero_directions(fgfw_ops, device, kind, param):
 
 @pytest.mark.parametrize("kind,param", KINDS)
 def test_empty_params_and_empty_tensors_give_gap_zero(fgfw_ops, device, kind, param):
-    ref_step, keyword, _ = set_cases.SETS[kind]
+    """A step with no element writes a gap of 0, or NaN when the schedule's skip is set (reference.schedule_values;
+    the CUDA ops wrote 0 there before)."""
     extra = set_cases.set_extra(kind, param)
-    schedule = torch.tensor((1.0, 0.5, 1.0), dtype=torch.float64, device=device)
     coeffs = torch.zeros(0, dtype=torch.float64, device=device)
-    gap = torch.full((), float("nan"), dtype=torch.float64, device=device)
-    op_of(fgfw_ops, kind)([], [], [], schedule, coeffs, [], False, [], 0, GAUSSIAN, gap, [], **extra)
-    assert float(gap) == 0.0
+    gap = torch.full((), 7.0, dtype=torch.float64, device=device)
     empties = [torch.zeros(0, device=device), torch.zeros(0, 4, device=device)]
-    for global_ball, radii in ((False, [0.5, 0.5]), (True, [0.5])):
-        gap.fill_(float("nan"))
-        op_of(fgfw_ops, kind)(empties, [], [torch.zeros_like(e) for e in empties], schedule, coeffs, radii,
-                              global_ball, [], 0, GAUSSIAN, gap, [], **extra)
-        assert float(gap) == 0.0
+    for values, expected in (((1.0, 0.5, 1.0), 0.0), ((1.0, 0.5, 1.0, 0.0), 0.0), ((1.0, 0.5, 1.0, 1.0), math.nan)):
+        schedule = torch.tensor(values, dtype=torch.float64, device=device)
+        gaps = []
+        gap.fill_(7.0)
+        op_of(fgfw_ops, kind)([], [], [], schedule, coeffs, [], False, [], 0, GAUSSIAN, gap, [], **extra)
+        gaps.append(float(gap))
+        for global_ball, radii in ((False, [0.5, 0.5]), (True, [0.5])):
+            gap.fill_(7.0)
+            op_of(fgfw_ops, kind)(empties, [], [torch.zeros_like(e) for e in empties], schedule, coeffs, radii,
+                                  global_ball, [], 0, GAUSSIAN, gap, [], **extra)
+            gaps.append(float(gap))
+        assert all(math.isnan(g) for g in gaps) if math.isnan(expected) else gaps == [expected] * 3, (values, gaps)
 
 
 @pytest.mark.parametrize("scope", SCOPES)

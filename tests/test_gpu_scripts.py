@@ -1,5 +1,5 @@
 """The scripts that only a GPU machine runs, run here on the CPU: scripts/gpu_sanitize.py on the CPU kernels, and both
-commands of scripts/gpu_check.sh as a dry run (GPU_CHECK_DRY_RUN=1: each step's CPU stand-in). A GPU run once found
+commands of scripts/gpu_check.sh (key, tests, models) as a dry run (GPU_CHECK_DRY_RUN=1: each step's CPU stand-in). A GPU run once found
 the sanitizer's script calling the set steps without an argument their schema had gained since, so that
 compute-sanitizer never reached a kernel; here that breaks CI instead.
 """
@@ -32,7 +32,7 @@ def test_gpu_sanitize_runs_every_set_through_the_optimizers_on_the_cpu(fgfw_ops)
     assert "gpu_sanitize: 60 optimizer steps (cpu backend) and" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("phase", ["key", "tests"])
+@pytest.mark.parametrize("phase", ["key", "tests", "models"])
 def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
@@ -49,6 +49,14 @@ def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
         models = {line.split(",")[1] for line in (tmp_path / "optimizer_step_gpu.csv").read_text().splitlines()[1:]}
         assert models == ({"gpt2_quick", "single_1e5"} if importlib.util.find_spec("transformers") else
                           {"single_1e5"}), models
+        if importlib.util.find_spec("transformers"):
+            assert "== lean step profile: exit 0" in summary, summary
+            assert "kernel launches" in (tmp_path / "lean_profile.txt").read_text()
+    elif phase == "models":
+        if importlib.util.find_spec("transformers"):
+            assert "== real models (GPT-2): exit 0" in summary, summary
+            rows = (tmp_path / "real_models_gpu.csv").read_text().splitlines()
+            assert any(",backprop_adamw," in row for row in rows), rows[:3]
     else:
         for part in ("cuda", "triton"):
             log = (tmp_path / f"tests_{part}.log").read_text()

@@ -3,7 +3,11 @@
 // roundings) and the forward gradient of one Philox call, regenerated in registers.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/where.h>
+
 #include <cstdint>
+#include <limits>
 
 #include "philox.h"
 #include "step_variant.h"
@@ -25,6 +29,16 @@ __device__ __forceinline__ bool skipped(const double* skip) { return skip != nul
 
 // The gap of a skipped step: a quiet NaN.
 __device__ __forceinline__ double skipped_gap() { return __longlong_as_double(0x7ff8000000000000LL); }
+
+// The gap of a step with no element (no kernel runs): 0, or NaN when the schedule has a skip that is not 0, decided
+// on the device by a where over the schedule's 4th element: no host read.
+inline void write_empty_gap(const at::Tensor& gap, const at::Tensor& schedule) {
+  if (schedule.numel() == 4) {
+    gap.copy_(at::where(schedule.select(0, 3).ne(0), std::numeric_limits<double>::quiet_NaN(), 0.0));
+  } else {
+    gap.zero_();
+  }
+}
 
 // g = sum_k coeff_k u_k for the four elements of Philox call q, accumulated in k order from the k = 0 term.
 template <Source kSource, typename acc_t>

@@ -884,7 +884,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
   BallPlan plan = plan_balls(params, radii, global_ball, row_numel);
   const int num_chunk_balls = static_cast<int>(plan.chunk_balls.size());
   if (num_chunk_balls == 0 && plan.row_balls == 0) {  // every tensor is empty
-    gap.zero_();
+    write_empty_gap(gap, schedule);
     return;
   }
   auto stream_offset = [&](int t) { return offsets.empty() ? int64_t{0} : offsets[t]; };
@@ -1035,7 +1035,7 @@ void l1_fw_step_cuda(at::TensorList params, at::TensorList momentum, at::TensorL
                      distribution, gap, row_numel);
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
   if (params.empty()) {
-    gap.zero_();
+    write_empty_gap(gap, schedule);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "l1_fw_step_cuda", [&] {

@@ -1007,7 +1007,7 @@ void launch_set_step(SetKind set, at::TensorList params, at::TensorList momentum
                         set == SetKind::kLInf ? at::TensorList() : scales);
   const bool feedback = set != SetKind::kLInf && !scales.empty();
   if (plan.num_slices == 0) {  // every tensor is empty
-    gap.zero_();
+    write_empty_gap(gap, schedule);
     return;
   }
 
@@ -1179,7 +1179,7 @@ void set_step_cuda(SetKind set, at::TensorList params, at::TensorList momentum, 
   if (set == SetKind::kKSparse) check_ksparse_k(k);
   const c10::cuda::CUDAGuard device_guard(params.empty() ? schedule.device() : params[0].device());
   if (params.empty()) {
-    gap.zero_();
+    write_empty_gap(gap, schedule);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "set_fw_step_cuda", [&] {
