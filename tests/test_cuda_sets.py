@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-
 import set_cases
 from set_cases import (CASES, GAUSSIAN, RADEMACHER, SCOPES, SOURCES, assert_set_step_matches,
                        check_ksparse_selection_exact, run_set_step)
