@@ -63,12 +63,8 @@ void launch_nonfinite(const std::vector<at::Tensor>& tensors, bool* found, cudaS
   const auto kernel = nonfinite_kernel<bits_t, kExponent>;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  static const int blocks_per_sm = [&] {
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-    return std::max(blocks, 1);
-  }();
-  const int64_t max_blocks = int64_t{sms} * blocks_per_sm;
+  static const int per_sm = cuda::blocks_per_sm(kernel, kThreads);
+  const int64_t max_blocks = int64_t{sms} * per_sm;
   const int n = static_cast<int>(tensors.size());
   std::vector<int64_t> numels(n), stream_offsets(n, 0);
   for (int t = 0; t < n; ++t) numels[t] = tensors[t].numel();

@@ -708,13 +708,6 @@ struct WorkspaceLayout {
   }
 };
 
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int threads) {
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
-  return std::max(blocks, 1);
-}
-
 // The balls of a step, sorted into the two paths, in the order of their radii within each.
 struct BallPlan {
   // A ball of the chunks path: elements [start, start + numel) of tensor `tensor`.
@@ -929,7 +922,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
   if (num_chunk_balls > 0) {
     const auto chunks_kernel = fw_chunks_kernel<scalar_t, kSource, kMomentum>;
     // Occupancy depends on the kernel and the architecture only; one process drives one kind of GPU.
-    static const int chunk_blocks_per_sm = blocks_per_sm(chunks_kernel, kThreads);
+    static const int chunk_blocks_per_sm = cuda::blocks_per_sm(chunks_kernel, kThreads);
     const int64_t max_blocks = int64_t{sms} * chunk_blocks_per_sm;
     cuda::for_each_launch<kLists>(
         chunk_numels, chunk_offsets,
@@ -971,7 +964,7 @@ void launch_step(at::TensorList params, at::TensorList momentum, at::TensorList 
     const at::Tensor on_device = device_radii ? DeviceRadii::get(cuda_stream, pieces, device_radii) : at::Tensor();
     const double* const radii_ptr = device_radii ? on_device.data_ptr<double>() : nullptr;
     const auto rows_kernel = fw_rows_kernel<scalar_t, kSource, kMomentum>;
-    static const int row_blocks_per_sm = blocks_per_sm(rows_kernel, kRowThreads);
+    static const int row_blocks_per_sm = cuda::blocks_per_sm(rows_kernel, kRowThreads);
     const int64_t max_blocks = int64_t{sms} * row_blocks_per_sm;
     const int num_entries = static_cast<int>(plan.row_entries.size());
     int64_t first_share = num_chunk_balls;

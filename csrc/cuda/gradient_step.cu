@@ -100,13 +100,8 @@ void launch_gradient_step(at::TensorList params, at::TensorList momentum, at::Te
   const auto kernel = gradient_step_kernel<scalar_t, kMomentum>;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Occupancy depends on the kernel and the architecture only; one process drives one kind of GPU.
-  static const int blocks_per_sm = [&] {
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-    return std::max(blocks, 1);
-  }();
-  const int64_t max_blocks = int64_t{sms} * blocks_per_sm;
+  static const int per_sm = cuda::blocks_per_sm(kernel, kThreads);
+  const int64_t max_blocks = int64_t{sms} * per_sm;
 
   const double* const schedule_ptr = schedule.data_ptr<double>();
   // read by the kernel on the device (a skipped step writes nothing)

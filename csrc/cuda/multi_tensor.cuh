@@ -12,7 +12,9 @@
 // a lower chunk number always holds lower element indices (tensor order first).
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 #include <stdint.h>
 
 #include <algorithm>
@@ -88,6 +90,16 @@ template <typename T>
 bool quad_aligned(const void* address, int lead) {
   const auto start = reinterpret_cast<uintptr_t>(address) - static_cast<uintptr_t>(lead) * sizeof(T);
   return start % quad_alignment<T>() == 0;
+}
+
+// Blocks of `kernel` (threads each, no dynamic shared memory) that one SM holds at once, at least 1: with the SM
+// count, a grid-stride launch's grid. It depends on the kernel and the architecture only, so callers keep it in a
+// function-local static (one process drives one kind of GPU).
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return std::max(blocks, 1);
 }
 
 // Splits a group's rows into launches of at most kMaxTensorsPerLaunch rows, fills each launch's

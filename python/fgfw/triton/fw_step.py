@@ -723,17 +723,7 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
     device, dtype = params[0].device, params[0].dtype
     if dtype not in TL_DTYPES:
         raise TypeError(f"params must be float32, float64, bfloat16 or float16, got {dtype}")
-    if not device_path(params[0]) and not INTERPRET:
-        raise ValueError(f"the Triton backend runs on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before importing fgfw.triton), got params on {device}")
-    if device.type != "cpu" and INTERPRET:
-        raise ValueError(f"with TRITON_INTERPRET=1 the Triton step reads tensor addresses on the host and needs "
-                         f"CPU tensors, got params on {device}")
-    for t, p in enumerate(params):
-        if p.dtype != dtype or p.device != device or not p.is_contiguous():
-            raise ValueError(f"params[{t}] must be a contiguous {dtype} tensor on {device} like params[0] (one "
-                             f"call per device and dtype group), got {p.dtype} on {p.device} "
-                             f"(contiguous={p.is_contiguous()})")
+    check_params_where_triton_runs(params)
     if momentum:
         _check_tensor_list("momentum", momentum, params, reference.compute_dtype(dtype))
     if grads:
@@ -751,6 +741,23 @@ def _check_args(params, momentum, grads, schedule, tangent_coeffs, radii, global
         # as the reference: tensors sharing an offset would share tangent values, a biased estimate
         raise ValueError(f"offsets must give each of the {len(params)} params its non-negative stream offset for "
                          f"the forward gradient, got {list(offsets)}")
+
+
+def check_params_where_triton_runs(params: Sequence[torch.Tensor]) -> None:
+    """Non-empty ``params`` on a device the Triton kernels run on (CUDA, or the CPU in the interpreter), all
+    contiguous and of params[0]'s dtype and device (one call per device and dtype group), as ValueError."""
+    device, dtype = params[0].device, params[0].dtype
+    if not device_path(params[0]) and not INTERPRET:
+        raise ValueError(f"the Triton backend runs on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
+                         f"before importing fgfw.triton), got params on {device}")
+    if device.type != "cpu" and INTERPRET:
+        raise ValueError(f"with TRITON_INTERPRET=1 the Triton step reads tensor addresses on the host and needs "
+                         f"CPU tensors, got params on {device}")
+    for t, p in enumerate(params):
+        if p.dtype != dtype or p.device != device or not p.is_contiguous():
+            raise ValueError(f"params[{t}] must be a contiguous {dtype} tensor on {device} like params[0] (one "
+                             f"call per device and dtype group), got {p.dtype} on {p.device} "
+                             f"(contiguous={p.is_contiguous()})")
 
 
 def check_schedule(schedule: torch.Tensor, device: torch.device | None) -> None:

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fw_step import _pointer, check_schedule, hold_while_capturing, skippable
-from .tangent import INTERPRET, TL_DTYPES, device_of, device_path
+from .fw_step import _pointer, check_params_where_triton_runs, check_schedule, hold_while_capturing, skippable
+from .tangent import TL_DTYPES, device_of
 
 # The table: one row of _STRIDE int64 columns per tensor.
 _STRIDE = tl.constexpr(8)
@@ -136,17 +136,8 @@ def _check_args(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"params must be float32 or float64 (the compute dtype: a half parameter steps its float32 "
                          f"master copy), got {dtype}")
-    if not device_path(params[0]) and not INTERPRET:
-        raise ValueError(f"the Triton backend runs on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before importing fgfw.triton), got params on {device}")
-    if device.type != "cpu" and INTERPRET:
-        raise ValueError(f"with TRITON_INTERPRET=1 the Triton step reads tensor addresses on the host and needs "
-                         f"CPU tensors, got params on {device}")
+    check_params_where_triton_runs(params)
     for t, p in enumerate(params):
-        if p.dtype != dtype or p.device != device or not p.is_contiguous():
-            raise ValueError(f"params[{t}] must be a contiguous {dtype} tensor on {device} like params[0] (one "
-                             f"call per device and dtype), got {p.dtype} on {p.device} "
-                             f"(contiguous={p.is_contiguous()})")
         for name, tensors in (("momentum", momentum), ("grads", grads)):
             if not tensors:
                 continue
