@@ -22,6 +22,13 @@ layers), so the memory is of backprop's order, not of inference's (bench/activit
 are not kept but drawn again from the stream for the estimate; the estimate is a dense gradient handed
 to the fused step like a backprop gradient.
 
+Scaled tangents (``tangent_scale="rms"``): the noise of every layer's estimate carries ``Var(c_b) = sum_l
+||dL_b/dz_{l,b}||^2`` over all perturbed outputs, and ahead of a LayerNorm a small output has a large gradient
+(the normalisation undoes its scale): GPT-2's embeddings, of std 0.02, swamp every other layer's estimate.
+Output l's tangent is then ``sigma_l u_l`` with ``sigma_l`` its root mean square in this pass, and its estimate
+divides by ``sigma_l``: ``E[c sigma_l u_l] / sigma_l^2 = dL/dz_l``, unbiased, with each output's share of the
+variance ``sigma_l^2 ||dL/dz_l||^2``.
+
 Tangents come from the library's stream (``fill_tangent_``), so a run is reproducible: the t-th tangent
 of step k for the i-th perturbed call of the forward lives at offset ``sum of the earlier calls' output
 sizes`` (each rounded up to a multiple of 4), ``tangent_id`` t.
@@ -168,10 +175,12 @@ class _Perturbation(TorchFunctionMode):
     """
 
     def __init__(self, module: nn.Module, layers, tangents: Callable[[torch.Tensor, int], torch.Tensor],
-                 primal_of: Callable[[torch.Tensor], torch.Tensor]):
+                 value_of: Callable[[torch.Tensor], torch.Tensor], keep_inputs: bool, tangent_scale: str):
         super().__init__()
-        # primal_of: the input's value without its tangent (keeping the dual would keep the tangent alive)
-        self.layers, self.tangents, self.primal_of = layers, tangents, primal_of
+        # value_of: a tensor's value without its tangent (keeping the dual would keep the tangent alive)
+        self.layers, self.tangents, self.value_of = layers, tangents, value_of
+        self.primal_of = value_of if keep_inputs else (lambda x: None)
+        self.tangent_scale = tangent_scale
         # (layer, its inputs (args, kwargs) without tangents, output meta, offset) per perturbed call
         self.calls: list[tuple[nn.Module, tuple, tuple, int]] = []
         self.offset = 0
@@ -224,10 +233,13 @@ class _Perturbation(TorchFunctionMode):
                              "batch_first=False returns (L, N, E), whose rows are not the examples (build it with "
                              "batch_first=True)")
         shared = z in self.batch_free
-        meta = (z.shape, z.dtype, z.device, shared)
-        self.calls.append((layer, _map_tensors(self.primal_of, (args, kwargs)), meta, self.offset))
         with torch._C.DisableTorchFunction():  # drawing the tangent is no call of the model's
+            scale = _scale_of(self.value_of(z), self.tangent_scale)
             u = self.tangents(z, self.offset)
+            if scale is not None:
+                u = u * scale
+        meta = (z.shape, z.dtype, z.device, shared, scale)
+        self.calls.append((layer, _map_tensors(self.primal_of, (args, kwargs)), meta, self.offset))
         self.offset += -(-z.numel() // 4) * 4
         perturbed = z + fwAD.make_dual(torch.zeros(z.shape, dtype=z.dtype, device=z.device), u)
         if shared:  # the tangent is drawn unseen: the sum would not look batch-free
@@ -248,6 +260,21 @@ class _Perturbation(TorchFunctionMode):
         for h in self.handles:
             h.remove()
         return super().__exit__(*exc)
+
+
+# the standard deviation of a perturbed output's tangent: 1 (N(0, I)), or the output's root mean square
+TANGENT_SCALES = ("unit", "rms")
+
+
+def _scale_of(z: torch.Tensor, rule: str) -> torch.Tensor | None:
+    """sigma of a perturbed output's tangent ``sigma u`` (``None``: 1), a 0-dim tensor of the compute dtype from
+    the output's value ``z`` in this pass: its root mean square for ``"rms"`` (1 where z is all zero). It is
+    known before the tangent is drawn, so the estimate ``c u / sigma`` stays unbiased."""
+    if rule == "unit":
+        return None
+    with torch._C._DisableFuncTorch():  # a reduction, no output-sized temporary
+        rms = torch.linalg.vector_norm(z.detach(), dtype=compute_dtype(z.dtype)) / max(1, z.numel()) ** 0.5
+        return torch.where(rms > 0, rms, torch.ones_like(rms))
 
 
 def _map_tensors(fn, inputs):
@@ -288,7 +315,7 @@ def _add_call_estimate(layer, inputs, meta, offset, c: torch.Tensor, coupled: bo
     """Adds one layer call's share of g_hat to ``grads``. Row r of c (shape (k, N), per example) belongs to
     tangent ``tangent_ids[r]``, whose values are drawn again from the stream (nothing tangent-sized was kept);
     ``coupled``: the model mixes the examples of a batch."""
-    shape, dtype, device, batch_free = meta
+    shape, dtype, device, batch_free, scale = meta
     n = c.shape[1]
     # the batch's sum of c for an output shared by the batch (batch-free, or of batch 1 and broadcast as
     # GPT-2's position embedding: its tangent moves every example's loss), and everywhere when coupled
@@ -304,6 +331,8 @@ def _add_call_estimate(layer, inputs, meta, offset, c: torch.Tensor, coupled: bo
         weight = c[row].sum().view([1] * len(shape)) if whole_batch else c[row].view(n, *[1] * (len(shape) - 1))
         dz.addcmul_(weight.to(acc), u.to(acc))
     dz.div_(num_tangents * n)
+    if scale is not None:  # the tangent was sigma u: E[c sigma u] = sigma^2 dL/dz, so c u / sigma is unbiased
+        dz.div_(scale.to(acc))
     if type(layer) is not nn.Linear:
         for key, g in _layer_vjp(layer, inputs, dz, acc).items():
             grads[key] = grads[key].add_(g) if key in grads else g
@@ -361,7 +390,7 @@ def _recompute_estimate(layers, closure, calls, losses: torch.Tensor, c: torch.T
 @torch.compiler.disable
 def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closure: Callable[[], torch.Tensor],
                        make_tangent: Callable[[torch.Tensor, int, int], torch.Tensor], num_tangents: int,
-                       in_one_pass: bool = False, recompute_inputs: bool = False,
+                       in_one_pass: bool = False, recompute_inputs: bool = False, tangent_scale: str = "unit",
                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Mean loss and the activity-perturbed gradient estimate of every parameter in ``params``.
 
@@ -375,6 +404,8 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
     needs it (one more forward; the closure must be deterministic). Returns ``(loss, {id(p): g_hat})``;
     a parameter the forward never used gets a zero estimate (its exact gradient).
     """
+    if tangent_scale not in TANGENT_SCALES:
+        raise ValueError(f"tangent_scale must be one of {TANGENT_SCALES}, got {tangent_scale!r}")
     params = list(params)
     layers = perturbed_layers(module, params)
     coupled = couples_examples(module)
@@ -382,7 +413,8 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
     keep = not recompute_inputs
     with torch.inference_mode(False), torch.no_grad(), _attention_with_forward_ad():
         if in_one_pass:
-            losses, c, calls, inputs = _one_pass(module, layers, closure, make_tangent, num_tangents, keep)
+            losses, c, calls, inputs = _one_pass(module, layers, closure, make_tangent, num_tangents, keep,
+                                                 tangent_scale)
             for call, h in zip(calls, inputs if keep else ()):
                 _add_call_estimate(call[0], h, call[2], call[3], c, coupled, range(num_tangents), make_tangent,
                                    num_tangents, grads)
@@ -392,8 +424,8 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                 def tangent(out, offset, t=t):
                     return make_tangent(torch.empty(out.shape, dtype=out.dtype, device=out.device), offset, t)
 
-                primal_of = (lambda x: fwAD.unpack_dual(x).primal) if keep else (lambda x: None)
-                with fwAD.dual_level(), _Perturbation(module, layers, tangent, primal_of) as pert:
+                with fwAD.dual_level(), _Perturbation(module, layers, tangent, lambda x: fwAD.unpack_dual(x).primal,
+                                                      keep, tangent_scale) as pert:
                     out = _check_losses(closure())
                     primal, c_t = fwAD.unpack_dual(out)
                     c_t = torch.zeros_like(primal) if c_t is None else c_t
@@ -412,7 +444,7 @@ def activity_gradients(module: nn.Module, params: Sequence[torch.Tensor], closur
                                     for p in params}
 
 
-def _one_pass(module, layers, closure, make_tangent, num_tangents, keep_inputs=True):
+def _one_pass(module, layers, closure, make_tangent, num_tangents, keep_inputs=True, tangent_scale="unit"):
     records = {}
 
     def one_pass(_):
@@ -427,8 +459,8 @@ def _one_pass(module, layers, closure, make_tangent, num_tangents, keep_inputs=T
 
         def run(_):
             jvp_level = maybe_current_level()
-            primal_of = (lambda x: _unwrap_for_grad(x, jvp_level)) if keep_inputs else (lambda x: None)
-            with _Perturbation(module, layers, tangents, primal_of) as pert:
+            with _Perturbation(module, layers, tangents, lambda x: _unwrap_for_grad(x, jvp_level), keep_inputs,
+                               tangent_scale) as pert:
                 losses = _check_losses(closure())
             records["calls"] = pert.calls
             if not keep_inputs:

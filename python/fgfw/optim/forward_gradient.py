@@ -46,7 +46,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                  seed: int | None, tangent: str, num_tangents: int, engine: str | None, backend: str | None,
                  check_finite: bool, tangents_in_one_pass: bool, estimator: str, recompute_inputs: bool,
                  process_group: object = distributed.AUTO, check_replicas_every: int = 0,
-                 rescale: str | None = None):
+                 rescale: str | None = None, tangent_scale: str = "unit"):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be the torch.nn.Module whose forward the closure runs, got "
                             f"{type(module).__name__} (pass the model, and its parameters or groups as params=)")
@@ -56,6 +56,11 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if tangent_scale not in activity.TANGENT_SCALES:
+            raise ValueError(f"tangent_scale must be one of {activity.TANGENT_SCALES}, got {tangent_scale!r}")
+        if tangent_scale != "unit" and estimator != "activity":
+            raise ValueError(f"tangent_scale={tangent_scale!r} applies to estimator='activity' (the weight estimator's "
+                             f"tangents are the stream's own, N(0, I) or Rademacher)")
         if recompute_inputs and estimator != "activity":
             raise ValueError("recompute_inputs=True applies to estimator='activity' (the weight estimator keeps no "
                              "inputs to recompute)")
@@ -97,6 +102,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         self.engine = engine
         self.estimator = estimator
         self.recompute_inputs = bool(recompute_inputs)
+        self.tangent_scale = tangent_scale
         super().__init__(params, defaults, constraint=constraint, backend=backend, check_finite=check_finite,
                          rescale=rescale)
         module_params = {id(p) for p in module.parameters()}
@@ -255,7 +261,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         """The step with estimator='activity': tangents on linear outputs (drawn by ``fill``, the stream of
         step k), a dense estimate, the gradient path of the fused op (see fgfw.activity)."""
         loss, grads = activity.activity_gradients(self.module, params, closure, fill, self.num_tangents,
-                                                  self.tangents_in_one_pass, self.recompute_inputs)
+                                                  self.tangents_in_one_pass, self.recompute_inputs, self.tangent_scale)
         if self._replicas is not None:
             self._replicas.mean_dense_(list(grads.values()), weight)
         nonfinite = _ops.nonfinite(list(grads.values()), k.device) if self.check_finite else None
@@ -305,6 +311,12 @@ class FGFW(_ForwardGradientFrankWolfe):
             and run the closure once more, plainly, to build the estimate layer by layer: memory of an
             inference forward plus a parameter-sized estimate, for one extra forward. The closure must be
             deterministic (no dropout in train mode); a second pass that differs raises ``ValueError``.
+        tangent_scale: with ``estimator="activity"``, the standard deviation of each perturbed output's tangent:
+            ``"unit"`` (default, N(0, I)) or ``"rms"`` (the output's root mean square in this pass). The
+            estimate stays unbiased (it divides by the same scale). On
+            models with LayerNorms, ``"rms"`` cuts the variance that the small-scale outputs upstream of a
+            LayerNorm (embeddings, residual branches), whose gradients are large, add to every other layer's
+            estimate (see :mod:`fgfw.activity`).
         process_group: data parallelism over ``torch.distributed`` (see :mod:`fgfw.distributed`):
             ``"auto"`` (default) uses the default group when torch.distributed is initialised with more
             than one process; ``None`` never communicates; or a ``ProcessGroup``. At construction the
@@ -324,12 +336,12 @@ class FGFW(_ForwardGradientFrankWolfe):
                  num_tangents: int = 1, engine: str | None = None, backend: str | None = None,
                  check_finite: bool = True, tangents_in_one_pass: bool = False, estimator: str = "weight",
                  recompute_inputs: bool = False, process_group: object = distributed.AUTO,
-                 check_replicas_every: int = 0, rescale: str | None = None):
+                 check_replicas_every: int = 0, rescale: str | None = None, tangent_scale: str = "unit"):
         super().__init__(module, params, dict(step_size=step_size), constraint=constraint, seed=seed,
                          tangent=tangent, num_tangents=num_tangents, engine=engine, backend=backend,
                          check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass, estimator=estimator,
                          recompute_inputs=recompute_inputs, process_group=process_group,
-                         check_replicas_every=check_replicas_every, rescale=rescale)
+                         check_replicas_every=check_replicas_every, rescale=rescale, tangent_scale=tangent_scale)
         if tangent == "rademacher" and num_tangents == 1 and estimator == "weight":
             # g_hat = c u has |g_hat_i| = |c| everywhere: the argmax is always a ball's first element
             warnings.warn("FGFW with one Rademacher tangent always picks the first element of each ball (every "
@@ -358,12 +370,12 @@ class AFGFW(_ForwardGradientFrankWolfe):
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
                  estimator: str = "weight", recompute_inputs: bool = False, process_group: object = distributed.AUTO,
-                 check_replicas_every: int = 0, rescale: str | None = None):
+                 check_replicas_every: int = 0, rescale: str | None = None, tangent_scale: str = "unit"):
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
                          estimator=estimator, recompute_inputs=recompute_inputs, process_group=process_group,
-                         check_replicas_every=check_replicas_every, rescale=rescale)
+                         check_replicas_every=check_replicas_every, rescale=rescale, tangent_scale=tangent_scale)
 
     _SCHEDULE_KEYS = ("step_size", "averaging_weight")
 
