@@ -90,7 +90,7 @@ def test_finetune_mnist_quick(tmp_path):
     with open(tmp_path / "finetune_mnist.csv", newline="") as f:
         ends = list(csv.DictReader(f))
     methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
-               "afgfw_activity_centred", "fgfw_centred"}
+               "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred"}
     # one selection run per method (one step size in --quick), then one seed at each budget
     assert sorted(e["phase"] for e in ends) == sorted(["select", "passes", "seconds"] * len(methods))
     for e in ends:
@@ -102,6 +102,18 @@ def test_finetune_mnist_quick(tmp_path):
             assert e.get("test_loss", "") == ""
     assert "validation loss of the pre-trained start" in out
     assert (tmp_path / "finetune_mnist.png").stat().st_size > 0
+
+
+@needs("transformers")
+def test_activity_layer_error_quick(tmp_path):
+    """bench/activity_layer_error.py at its smallest: a row per parameter and tangent scale, each a finite
+    positive error (an estimate equal to the gradient would be a broken comparison)."""
+    run("bench/activity_layer_error.py", "--quick", "--out", str(tmp_path))
+    with open(tmp_path / "activity_layer_error.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["tangent_scale"] for r in rows} == {"unit", "rms"}
+    assert len(rows) == 2 * len({r["parameter"] for r in rows}) and any(".ln_1." in r["parameter"] for r in rows)
+    assert all(0 < float(r["relative_error_one_tangent"]) < float("inf") for r in rows)
 
 
 @needs("transformers")
