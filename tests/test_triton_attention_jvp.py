@@ -160,6 +160,8 @@ def test_triton_attention_jvp_dispatch(fused_here, monkeypatch):
     assert not applies(x, half, half, None)  # mixed dtypes
     assert not applies(x, x[:, :1], x[:, :1], None)  # broadcast heads
     assert not applies(x, x[..., :0, :], x[..., :0, :], None)  # no keys
+    many = half[:1, :1].expand(65536, 1, 8, 64)
+    assert not applies(many, many, many, None)  # more batch x heads than the grid's second axis holds
     torch.backends.cuda.matmul.allow_tf32 = False  # the fixture restores it
     assert not applies(x, x, x, None)  # exact float32 products: the chunked rule
     assert applies(half, half, half, None)

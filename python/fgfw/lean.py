@@ -44,7 +44,11 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
   ``dO = dP V + P dV`` with ``dP = P * (dS - rowsum(P * dS))`` is computed chunk by chunk of query rows,
   so no (L x L) tangent, and no (L x L) primal beyond one chunk, is ever stored. Its products are one ``bmm``
   each over the flattened heads, on operands made contiguous once per call (heads split off a fused projection
-  are strided views that ``torch.matmul`` would copy chunk after chunk).
+  are strided views that ``torch.matmul`` would copy chunk after chunk). On CUDA, without ``attn_mask``, in
+  bfloat16 or float16 (float32 where torch allows TF32) with head dim 16, 32, 64 or 128, one Triton kernel
+  (``fgfw.triton.attention_jvp``) gives the primal and the tangent in a single flash-style pass instead: none
+  (nothing of (L x L) size, not even a chunk; :func:`fused_attention_jvp_applies` decides). The batched engine
+  (``vmap``) keeps the chunks.
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
   ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
 
@@ -514,7 +518,8 @@ def _apply(rule, *args):
     ``autograd.Function.apply`` costs tens of microseconds a call (it binds the arguments by
     ``inspect.signature``, makes a graph node, wraps the outputs), more than a small layer's kernels. In a
     forward-AD pass without grad mode or functorch transforms, the rule's own ``forward``,
-    ``setup_context`` and ``jvp`` run here instead, on the primals and tangents: the same arithmetic. Under
+    ``setup_context`` and ``jvp`` run here instead, on the primals and tangents: the same arithmetic. A rule with a
+    ``fused_forward_and_jvp`` (attention) may give the primal and tangent from one kernel instead. Under
     ``torch.func`` (the batched engine, ``vmap`` over ``jvp``) or with grad mode on, ``apply`` it is.
     """
     level = fwAD._current_level

@@ -33,6 +33,9 @@ from .tangent import INTERPRET, device_of, device_path
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two that tl.dot takes (at least 16) and the registers hold
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2_E = tl.constexpr(1.4426950408889634)
+# (batch x heads) runs on the grid's second axis, so that a head's query blocks run side by side and share its
+# keys and values in L2; CUDA allows this many programs there
+_MAX_GRID_Y = 65535
 
 
 def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
@@ -50,6 +53,8 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
         return f"the query length and key length must be positive, got {query.shape[-2]} and {key.shape[-2]}"
     if not query.dtype == key.dtype == value.dtype or query.dtype not in DTYPES:
         return f"query, key and value must be one dtype of {DTYPES}, got {query.dtype}, {key.dtype}, {value.dtype}"
+    if query.shape[:-2].numel() > _MAX_GRID_Y:
+        return f"batch x heads must be at most {_MAX_GRID_Y} (the grid's second axis), got {query.shape[:-2].numel()}"
     if not query.device == key.device == value.device:
         return f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
     return None
