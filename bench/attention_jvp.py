@@ -7,8 +7,11 @@ Rows, per sequence length and dtype, causal attention over batch x heads like GP
   time an inference forward spends in attention, the denominator of every ratio;
 * ``chunked_jvp``: the lean rule's chunked path (``fgfw.lean.AttentionJvp``): the forward above, then the tangent
   chunk by chunk of query rows;
-* ``fused_jvp``: ``fgfw.triton.attention_jvp``: primal and tangent in one kernel (float32 multiplies as torch's
-  ``allow_tf32`` says: IEEE by default).
+* ``fused_jvp``: ``fgfw.triton.attention_jvp``: primal and tangent in one kernel.
+
+float32 rows run with TF32 products (``torch.backends.cuda.matmul.allow_tf32``, ``--no-tf32`` to leave torch's
+default): the only float32 path on which the lean engine takes the fused kernel (in IEEE float32 it spills on
+sm_90, and takes half a minute to compile).
 
 Each row: the median time of ``--repeats`` calls, its ratio to ``sdpa_forward``, and the peak CUDA memory the call
 allocated beyond its inputs. Issue 30's targets: memory linear in the sequence, the attention JVP within 2.5x the
@@ -38,6 +41,8 @@ def parse(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                        help="float32 products in TF32 (torch.backends.cuda.matmul.allow_tf32)")
     parser.add_argument("--out", default="bench/results/attention_jvp_gpu.csv")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -55,6 +60,7 @@ def main(argv=None) -> int:
     from fgfw import lean
     from fgfw.triton import attention_jvp as kernel
 
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
