@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # set before fgfw.triton is imported, as in test_triton.py (Triton chooses to interpret when a kernel is defined)
@@ -198,6 +199,29 @@ def test_triton_attention_jvp_in_the_lean_engine(fused_here):
     assert len(fused_here) == 2
     _check(out_t[0], expected[1], torch.float32, tol)
     torch.testing.assert_close(out_t[1], 2 * out_t[0])
+
+
+def test_triton_attention_jvp_in_a_lean_pass(fused_here):
+    """c = <grad f, u> of causal self-attention (nn.MultiheadAttention, head dim 16) by the lean engine through the
+    fused kernel, against torch.func.jvp of the same model in float64 on the math backend."""
+    torch.manual_seed(7)
+    attn = nn.MultiheadAttention(32, 2, batch_first=True).double()  # in training mode: not MHA's own fast path
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    mask = torch.ones(24, 24, dtype=torch.bool).triu(1)
+    loss = lambda call, x: call(x, x, x, attn_mask=mask.to(x.device), need_weights=False,
+                                is_causal=True)[0].square().mean()
+    names = [name for name, _ in attn.named_parameters()]
+    tangents = [torch.randn_like(p) for p in attn.parameters()]
+    with sdpa_kernel(SDPBackend.MATH):
+        functional = lambda *ps: loss(lambda *a, **k: torch.func.functional_call(attn, dict(zip(names, ps)), a, k), x)
+        _, expected = torch.func.jvp(functional, tuple(p.detach() for p in attn.parameters()), tuple(tangents))
+    model = attn.float().to(DEVICE)
+    tangents = [t.float().to(DEVICE) for t in tangents]
+    _, c = lean.lean_directional_derivative(model, list(model.parameters()), tangents.__getitem__,
+                                            lambda: loss(model, x.float().to(DEVICE)))
+    assert len(fused_here) == 1
+    # float32 against float64: 1e-4 relative; TF32 on a GPU (TF32_TOL's reasons): 2e-2
+    assert abs(float(c) - float(expected)) <= (2e-2 if DEVICE.type == "cuda" else 1e-4) * abs(float(expected))
 
 
 # -- on a GPU: sequence 2048, memory linear in it -----------------------------------------------------------------

@@ -61,8 +61,9 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 
 
 def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(query rows, key rows, warps) per program: the largest tiles whose two float32 accumulators (rows x E each),
-    operands and score tiles ptxas keeps in registers on sm_90, without spills (fgfw.triton.aot checks them)."""
+    """(query rows, key rows, warps) per program: tiles whose two float32 accumulators (rows x E each), operands and
+    score tiles ptxas keeps in registers on sm_90 without spills (of those tried, with Triton 3.8; fgfw.triton.aot
+    checks the ones the lean engine launches). float32 here is TF32 at head dim 64 (``spill_free``)."""
     if dtype == torch.float32:
         return 64, 32, 8
     if head_dim <= 64:
