@@ -17,9 +17,10 @@
 #        CUDA kernels, Triton, then torch.compile (AFGFW at 1e8) last. Cases: 1e6 and 1e8 parameters in one
 #        tensor, the 200-tensor model, the 12 x 1024 MLP with row balls (the optimizer's call: whole
 #        tensors with row_numel), for AFGFW, FGFW and backprop FW; AFGFW with 4 Gaussian tangents at 1e8.
-#        Also a torch.profiler table of one lean AFGFW step on GPT-2 small (scripts/profile_lean_step.py).
-#        Returns summary.txt, build.log, gaussian_roof.txt, kernel_gpu.csv, kernel_gpu.log, kernel_gpu.png,
-#        optimizer_step_gpu.csv, lean_profile.txt.
+#        Also a torch.profiler table of one lean AFGFW step on GPT-2 small (scripts/profile_lean_step.py), and
+#        the attention JVP rows (bench/attention_jvp.py: fused kernel, chunked rule, SDPA forward; not yet timed,
+#        45 s guard). Returns summary.txt, build.log, gaussian_roof.txt, kernel_gpu.csv, kernel_gpu.log,
+#        kernel_gpu.png, optimizer_step_gpu.csv, lean_profile.txt, attention_jvp_gpu.csv.
 # tests: the tests that need a GPU (pytest --gpu-only: CUDA kernels, compiled Triton, CUDA graphs, the
 #        property tests on cuda and triton; CI runs the rest) with FGFW_REQUIRE_CUDA_KERNELS=1, a per-test
 #        timeout and pytest-xdist; then compute-sanitizer memcheck (caching allocator off) and racecheck
@@ -160,6 +161,13 @@ if [ "$phase" = key ]; then
   else
     say "== lean step profile: not run (no transformers)"
   fi
+  # issue 30, item 3: attention's primal and tangent, the fused Triton kernel against the chunked rule and the
+  # SDPA forward (GPT-2 small's 8 x 12 heads, sequence 512 and 2048, float32 and bfloat16)
+  attention=(python3 bench/attention_jvp.py --device cuda)
+  [ -n "$dry" ] && attention=(python3 bench/attention_jvp.py --device cpu --tiny)
+  run "attention JVP benchmark" 45 "${attention[@]}" --out "$out/attention_jvp_gpu.csv" \
+    >"$out/attention_jvp_gpu.log" 2>&1
+  grep -E "^(\||target:)|Error" "$out/attention_jvp_gpu.log" | tee -a "$summary"
   mkdir -p "$root/.gpu"
   if command -v nvcc >/dev/null && run "gaussian_roof build" 40 nvcc -O3 -std=c++17 -arch=sm_90 -I csrc \
       bench/gaussian_roof.cu -o "$root/.gpu/gaussian_roof" >"$out/gaussian_roof.txt" 2>&1 && [ -z "$dry" ]; then

@@ -195,3 +195,17 @@ def test_kernel_bench_blocked_argmax_is_torch_argmax():
         cases[1][2, 0] = cases[1][2, block if n > block else 1] = 1  # a tie across blocks
         for a in cases:
             assert torch.equal(kernel_bench.argmax_rows(a, True), torch.argmax(a, 1, keepdim=True)), n
+
+
+def test_attention_jvp_tiny(tmp_path):
+    """bench/attention_jvp.py --device cpu --tiny (the fused kernel in Triton's interpreter): every method's row in
+    both dtypes, the SDPA forward's ratio 1."""
+    pytest.importorskip("triton")
+    out_csv = tmp_path / "attention_jvp.csv"
+    out = run("bench/attention_jvp.py", "--device", "cpu", "--tiny", "--out", str(out_csv))
+    with open(out_csv, newline="") as f:
+        rows = {(r["dtype"], r["method"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {(d, m) for d in ("float32", "bfloat16") for m in ("sdpa_forward", "chunked_jvp", "fused_jvp")}
+    assert all(float(r["x_sdpa_forward"]) == 1.0 for (_, m), r in rows.items() if m == "sdpa_forward")
+    assert all(float(r["median_ms"]) > 0 for r in rows.values())
+    assert "target: fused_jvp bfloat16" in out

@@ -49,6 +49,8 @@ def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
         models = {line.split(",")[1] for line in (tmp_path / "optimizer_step_gpu.csv").read_text().splitlines()[1:]}
         assert models == ({"gpt2_quick", "single_1e5"} if importlib.util.find_spec("transformers") else
                           {"single_1e5"}), models
+        assert "== attention JVP benchmark: exit 0" in summary, summary
+        assert "fused_jvp" in (tmp_path / "attention_jvp_gpu.csv").read_text()
         if importlib.util.find_spec("transformers"):
             assert "== lean step profile: exit 0" in summary, summary
             assert "kernel launches" in (tmp_path / "lean_profile.txt").read_text()

@@ -44,7 +44,11 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
   ``dO = dP V + P dV`` with ``dP = P * (dS - rowsum(P * dS))`` is computed chunk by chunk of query rows,
   so no (L x L) tangent, and no (L x L) primal beyond one chunk, is ever stored. Its products are one ``bmm``
   each over the flattened heads, on operands made contiguous once per call (heads split off a fused projection
-  are strided views that ``torch.matmul`` would copy chunk after chunk).
+  are strided views that ``torch.matmul`` would copy chunk after chunk). On CUDA, without ``attn_mask``, in
+  bfloat16 or float16 (float32 where torch allows TF32) with head dim 16, 32, 64 or 128, one Triton kernel
+  (``fgfw.triton.attention_jvp``) gives the primal and the tangent in a single flash-style pass instead: none
+  (nothing of (L x L) size, not even a chunk; :func:`fused_attention_jvp_applies` decides). The batched engine
+  (``vmap``) keeps the chunks.
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
   ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
 
@@ -66,6 +70,7 @@ closure must not call ``backward()``, buffers get no tangent.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -385,9 +390,44 @@ class CrossEntropyJvp(torch.autograd.Function):
         return F.nll_loss(logits_t - dot, target, ignore_index=ctx.ignore_index, reduction=ctx.reduction)
 
 
+# devices whose tensors take the fused attention kernel (tests add "cpu": Triton's interpreter runs it there)
+_FUSED_ATTENTION_DEVICES = {"cuda"}
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_attention():
+    """fgfw.triton.attention_jvp, or None where Triton does not import (imported at the first CUDA attention)."""
+    try:
+        from .triton import attention_jvp
+    except ImportError:
+        return None
+    return attention_jvp
+
+
+def fused_attention_jvp_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attn_mask: torch.Tensor | None, *tangents: torch.Tensor | None) -> bool:
+    """Whether :class:`AttentionJvp` takes the fused Triton kernel (``fgfw.triton.attention_jvp``) for these
+    operands and tangents: CUDA tensors, no ``attn_mask`` (``is_causal`` is the kernel's only mask), plain tensors
+    (under ``vmap`` they are functorch's batched tensors, which a kernel cannot read), Triton importable, and
+    shapes, dtype and head dim that the kernel takes and compiles without spills (``unsupported``, ``spill_free``:
+    bfloat16 and float16 with head dim 16 to 128, float32 as TF32 up to 64)."""
+    if attn_mask is not None or query.device.type not in _FUSED_ATTENTION_DEVICES:
+        return False
+    if any(x is not None and is_functorch_wrapped_tensor(x) for x in (query, key, value, *tangents)):
+        return False
+    kernel = _fused_attention()
+    return (kernel is not None and kernel.unsupported(query, key, value) is None
+            and kernel.spill_free(query.dtype, query.shape[-1]))
+
+
 class AttentionJvp(torch.autograd.Function):
     """O = softmax(Q K^T s + M) V, tangent chunk by chunk of query rows:
-    dS = (dQ K^T + Q dK^T) s + dM, dP = P (dS - rowsum(P dS)), dO = dP V + P dV."""
+    dS = (dQ K^T + Q dK^T) s + dM, dP = P (dS - rowsum(P dS)), dO = dP V + P dV.
+
+    Where :func:`fused_attention_jvp_applies`, one Triton kernel gives O and dO in a single flash-style pass
+    instead (``fgfw.triton.attention_jvp``; this rule is its spec): the one-tangent engine takes both from it
+    (``fused_forward_and_jvp``), ``jvp`` under ``Function.apply`` the tangent. ``forward`` stays torch's, on any
+    backend. Under ``vmap`` (the batched engine) the tangents are batched tensors and the chunks below run."""
 
     generate_vmap_rule = True
 
@@ -407,8 +447,18 @@ class AttentionJvp(torch.autograd.Function):
         ctx.rows = max(1, output.numel() // (heads * key.shape[-2]))
 
     @staticmethod
+    def fused_forward_and_jvp(query, key, value, attn_mask, is_causal, scale, query_t, key_t, value_t, *_):
+        """(O, dO) from the fused kernel where it applies, else None (then ``forward`` and ``jvp`` run)."""
+        if not fused_attention_jvp_applies(query, key, value, attn_mask, query_t, key_t, value_t):
+            return None
+        return _fused_attention().attention_jvp(query, key, value, query_t, key_t, value_t, is_causal, scale)
+
+    @staticmethod
     def jvp(ctx, query_t, key_t, value_t, mask_t, *_):
         query, key, value, mask = ctx.saved_tensors
+        if fused_attention_jvp_applies(query, key, value, mask, query_t, key_t, value_t):
+            return _fused_attention().attention_jvp(query, key, value, query_t, key_t, value_t, ctx.is_causal,
+                                                    ctx.scale)[1]
         # heads split off a fused projection are strided views that a bmm over flattened heads would copy, chunk
         # after chunk: one contiguous copy of each here instead (contiguous() of a contiguous tensor is itself)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -468,7 +518,8 @@ def _apply(rule, *args):
     ``autograd.Function.apply`` costs tens of microseconds a call (it binds the arguments by
     ``inspect.signature``, makes a graph node, wraps the outputs), more than a small layer's kernels. In a
     forward-AD pass without grad mode or functorch transforms, the rule's own ``forward``,
-    ``setup_context`` and ``jvp`` run here instead, on the primals and tangents: the same arithmetic. Under
+    ``setup_context`` and ``jvp`` run here instead, on the primals and tangents: the same arithmetic. A rule with a
+    ``fused_forward_and_jvp`` (attention) may give the primal and tangent from one kernel instead. Under
     ``torch.func`` (the batched engine, ``vmap`` over ``jvp``) or with grad mode on, ``apply`` it is.
     """
     level = fwAD._current_level
@@ -482,9 +533,14 @@ def _apply(rule, *args):
             dual = dual or t is not None
         primals.append(a)
         tangents.append(t)
-    out = rule.forward(*primals)
     if not dual:  # as apply: no input tangent, no jvp, no output tangent
-        return out
+        return rule.forward(*primals)
+    fused = getattr(rule, "fused_forward_and_jvp", None)  # one kernel for the primal and tangent
+    if fused is not None:
+        both = fused(*primals, *tangents)
+        if both is not None:
+            return torch._make_dual(*both, level)
+    out = rule.forward(*primals)
     ctx = _Ctx()
     rule.setup_context(ctx, tuple(primals), out)
     return torch._make_dual(out, rule.jvp(ctx, *tangents), level)
