@@ -41,10 +41,10 @@ def _batch_weight(batch_size: object) -> float:
 
 
 def _check_guided(guided: object, num_tangents: object, estimator: object, where: str) -> None:
-    """``TypeError``/``ValueError`` unless AFGFW's ``guided`` fits its other arguments (``where``: the message's
-    prefix for a loaded state)."""
+    """``TypeError`` (a loaded state: ``ValueError``, as for its other entries) or ``ValueError`` unless AFGFW's
+    ``guided`` fits its other arguments (``where``: the message's prefix for a loaded state)."""
     if not isinstance(guided, bool):
-        raise TypeError(f"{where}guided must be True or False, got {guided!r}")
+        raise (ValueError if where else TypeError)(f"{where}guided must be True or False, got {guided!r}")
     if guided and (isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 2):
         raise ValueError(f"{where}guided=True needs num_tangents >= 2 (one tangent along the running direction v, "
                          f"the others random ones orthogonal to it), got num_tangents={num_tangents!r}")
