@@ -451,7 +451,8 @@ class AFGFW(_ForwardGradientFrankWolfe):
             C = d / (K-1); the rates are the paper's, the constants differ. When v = 0 (the first step, a
             state without momentum) the step takes the plain estimate. Costs: K forward passes as before (one with
             ``tangents_in_one_pass``); before them one global dot product v_hat . u_t per random tangent (a
-            regeneration of u_t) and a host read of ||v|| (one synchronisation per step); the estimate is dense
+            regeneration of u_t) and a host read of ||v|| (one synchronisation per step, and a graph break under
+            torch.compile); the estimate is dense
             and goes through the fused op's gradient path, so a step holds one parameter-sized estimate more.
             Data parallel: v and the tangents are the same on every replica, so only the K coefficients are
             averaged, as without it. Needs ``estimator="weight"`` and ``num_tangents >= 2`` (``ValueError``
