@@ -16,10 +16,12 @@ tangent), ``fgfw`` (Algorithm 1, weight estimator, one tangent) and ``mezo`` (be
 The Frank-Wolfe methods take one L1 ball per row of 2x its pre-trained L1 norm (``relative_to_init(2)``,
 not tuned); every step size is constant. The ``*_centred`` methods take the same method with the balls centred
 at the pre-trained weights (param group ``center="init"``): each row may move by CENTRED_SCALE = 0.5 x its
-pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step.
+pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step. ``afgfw_k2_centred``
+and ``afgfw_guided_centred`` (issue 31, item 3) are ``afgfw_centred`` with two tangents per step, plain and
+guided (AFGFW's ``guided=True``: one tangent along the running direction v, one random tangent orthogonal to it).
 
 Budgets. Forward passes: a backprop step counts 1 (its backward is not counted), a forward-gradient step
-with one tangent 1, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
+with one tangent 1, with two tangents 2, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
 method trains until its steps (evaluation excluded) have taken ``--seconds``.
 
 Protocol, fixed before the runs: the model is pre-trained once (seed 0). For each method, every step
@@ -54,7 +56,8 @@ sys.path.insert(0, HERE)
 from mezo import MeZO  # noqa: E402
 
 METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
-           "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred")
+           "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
+           "afgfw_guided_centred")
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -73,10 +76,13 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # issue 31 item 2: tangents scaled to each output's RMS; the whole range the unit tangents were tried on
     # (centred, with extensions), where they diverged at 3e-3 and 1e-2
     "afgfw_activity_rms_centred": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2),
+    # two tangents (issue 31, item 3), plain and guided: around the one-tangent centred AFGFW's choice, 1e-4
+    "afgfw_k2_centred": (3e-5, 1e-4, 3e-4),
+    "afgfw_guided_centred": (3e-5, 1e-4, 3e-4),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
-PASSES_PER_STEP = {"mezo": 2}  # every other method: 1
+PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2}  # every other method: 1
 SEEDS = (0, 1, 2)
 
 
@@ -202,7 +208,8 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     options = dict(estimator="activity") if method.startswith("afgfw_activity") else {}
     if method == "afgfw_activity_rms":
         options["tangent_scale"] = "rms"
-
+    if method in ("afgfw_k2", "afgfw_guided"):
+        options = dict(num_tangents=2, guided=method == "afgfw_guided")
     if kind is fgfw.AFGFW:
         options["averaging_weight"] = 0.1
     opt = kind(model, groups, constraint=ball, step_size=step_size, seed=seed, **options)

@@ -53,6 +53,8 @@ def make_optimizer(kind: str, m: nn.Module, **kw):
     if kind == "activity":
         return fgfw.AFGFW(m, constraint=ball, step_size=0.05, averaging_weight=0.3, num_tangents=2,
                           estimator="activity", **kw)
+    if kind == "guided":
+        return fgfw.AFGFW(m, constraint=ball, step_size=0.05, averaging_weight=0.3, num_tangents=2, guided=True, **kw)
     raise ValueError(kind)
 
 
@@ -95,6 +97,10 @@ def train(rank: int, world: int, kind: str = "afgfw", unequal: bool = False, sam
 
 def train_unequal(rank: int, world: int) -> dict:
     return train(rank, world, unequal=True)
+
+
+def train_guided(rank: int, world: int) -> dict:
+    return train(rank, world, kind="guided")
 
 
 def train_activity(rank: int, world: int) -> dict:

@@ -90,12 +90,13 @@ def test_finetune_mnist_quick(tmp_path):
     with open(tmp_path / "finetune_mnist.csv", newline="") as f:
         ends = list(csv.DictReader(f))
     methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
-               "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred"}
+               "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
+               "afgfw_guided_centred"}
     # one selection run per method (one step size in --quick), then one seed at each budget
     assert sorted(e["phase"] for e in ends) == sorted(["select", "passes", "seconds"] * len(methods))
     for e in ends:
         if e["phase"] == "passes":
-            assert float(e["passes"]) == 4  # the budget, in forward passes: MeZO's steps count 2
+            assert float(e["passes"]) == 4  # the budget, in forward passes: MeZO's and K = 2 steps count 2
         if e["phase"] != "select":
             assert e["test_loss"] != ""  # the test split is read at the end of every final run, and only there
         else:

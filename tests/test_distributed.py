@@ -88,6 +88,17 @@ def test_unequal_batches_are_weighted_by_their_size(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
+def test_guided_tangents_need_no_more_communication(tmp_path):
+    # v and the projected tangents are the same on every rank (bit-identical replicas): only the K directional
+    # derivatives are averaged, as for the plain estimate, and the run equals one process on the union
+    results = run_ranks("train_guided", 2, tmp_path)
+    assert_identical_across_ranks(results)
+    expected = single_process("guided", 2)
+    for got, want in zip(results[0]["params"], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert all(bytes_ == 8 * (2 + 1) for r in results for bytes_ in r["bytes_per_step"])
+
+
 def test_the_activity_estimate_is_averaged_like_a_gradient(tmp_path):
     # every rank gets the whole batch (the activity tangents depend on an example's place in the batch): the
     # mean of equal estimates is the estimate, exactly, so the run equals one process bit for bit

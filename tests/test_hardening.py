@@ -404,6 +404,8 @@ def test_state_of_another_optimizer_kind_is_refused(source, target):
     (lambda s: s["fgfw"].update(tangent_stream_version=0), "tangent stream version"),
     (lambda s: s["fgfw"].update(tangent="uniform"), "tangent"),
     (lambda s: s["fgfw"].update(estimator="activations"), "estimator"),
+    (lambda s: s["fgfw"].update(guided="yes"), "guided must be True or False"),
+    (lambda s: s["fgfw"].update(guided=True), "guided=True needs num_tangents >= 2"),
     (lambda s: s["fgfw"].update(step=-1), "step"),
     (lambda s: s["param_groups"][0].update(constraint={"kind": "hexagon", "radius": 1.0}), "constraint"),
     (lambda s: s["param_groups"][0].update(step_size="1/k^2"), "step_size"),

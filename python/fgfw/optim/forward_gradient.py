@@ -2,6 +2,7 @@
 "weight" estimator, the paper's) or from tangents on layer outputs (the "activity" estimator, fgfw.activity)."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Iterable
 
@@ -37,6 +38,19 @@ def _batch_weight(batch_size: object) -> float:
         raise ValueError(f"batch_size must be None or an integer >= 1 (this rank's number of examples), got "
                          f"{batch_size!r}")
     return float(batch_size)
+
+
+def _check_guided(guided: object, num_tangents: object, estimator: object, where: str) -> None:
+    """``TypeError`` (a loaded state: ``ValueError``, as for its other entries) or ``ValueError`` unless AFGFW's
+    ``guided`` fits its other arguments (``where``: the message's prefix for a loaded state)."""
+    if not isinstance(guided, bool):
+        raise (ValueError if where else TypeError)(f"{where}guided must be True or False, got {guided!r}")
+    if guided and (isinstance(num_tangents, bool) or not isinstance(num_tangents, int) or num_tangents < 2):
+        raise ValueError(f"{where}guided=True needs num_tangents >= 2 (one tangent along the running direction v, "
+                         f"the others random ones orthogonal to it), got num_tangents={num_tangents!r}")
+    if guided and estimator != "weight":
+        raise ValueError(f"{where}guided=True applies to estimator='weight' (tangents over the parameters, where v "
+                         f"lives), got estimator={estimator!r}")
 
 
 class _ForwardGradientFrankWolfe(_FrankWolfeBase):
@@ -115,6 +129,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             activity.perturbed_layers(module, [p for g in self.param_groups for p in g["params"]])
 
     _uses_tangent_stream = True
+    guided = False  # AFGFW's guided tangents (see AFGFW)
 
     def _param_name(self, p: torch.Tensor) -> str | None:
         return next((name for name, q in self.module.named_parameters() if q is p), None)
@@ -209,24 +224,86 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
         if self.estimator == "activity":
             return self._activity_step(plan, k, params, closure, fill, weight)
-        derivative = forward_grad.ENGINES[self.engine]
-        if self.tangents_in_one_pass and self.num_tangents > 1:
-            makers = [tangent_maker(t) for t in range(self.num_tangents)]
-            loss, coeffs = derivative.batched(self.module, params,
-                                              lambda j: torch.stack([make(j) for make in makers]), closure,
-                                              self.num_tangents)
-            coeffs = coeffs.reshape(-1).to(torch.float64)
-        else:
-            loss, coeffs = None, []
-            for tangent_id in range(self.num_tangents):
-                loss_t, c = derivative(self.module, params, tangent_maker(tangent_id), closure)
-                loss = loss_t if loss is None else loss
-                coeffs.append(c.reshape(()).to(torch.float64))
-            coeffs = torch.stack(coeffs)
+        if self.guided:
+            running = self._running_direction(params)
+            if running is not None:  # v = 0 (the first step, a reset state): the plain estimate below
+                return self._guided_step(plan, k, params, closure, fill, weight, *running)
+        loss, coeffs = self._directional_derivatives(params, [tangent_maker(t) for t in range(self.num_tangents)],
+                                                     closure)
         if self._replicas is not None:
             # every rank gets the same mean, non-finite on every rank if on one: they raise (or step) alike
             coeffs = self._replicas.mean_coefficients(coeffs, weight)
         self._coefficient_update(plan, k, coeffs)
+        return loss
+
+    def _directional_derivatives(self, params: list[torch.Tensor], makers: list, closure) -> tuple:
+        """The loss and c_t = <grad f, u_t> (float64, one per tangent) for the tangents ``makers[t](j)`` (tangent t
+        on ``params[j]``): one forward pass each, or all in one (tangents_in_one_pass)."""
+        derivative = forward_grad.ENGINES[self.engine]
+        if self.tangents_in_one_pass and len(makers) > 1:
+            loss, coeffs = derivative.batched(self.module, params, lambda j: torch.stack([make(j) for make in makers]),
+                                              closure, len(makers))
+            return loss, coeffs.reshape(-1).to(torch.float64)
+        loss, coeffs = None, []
+        for make in makers:
+            loss_t, c = derivative(self.module, params, make, closure)
+            loss = loss_t if loss is None else loss
+            coeffs.append(c.reshape(()).to(torch.float64))
+        return loss, torch.stack(coeffs)
+
+    def _running_direction(self, params: list[torch.Tensor]) -> tuple[list, float] | None:
+        """AFGFW's momentum v_{k-1} on ``params`` (None where a tensor has none) and its norm over all of them
+        together, as the tangent stream runs through them; None where v = 0 (no state yet, or all zeros). The norm
+        is read on the host: one synchronisation per guided step."""
+        moms = [self.state.get(p, {}).get("momentum") for p in params]
+        squares = [torch.dot(m.reshape(-1).to(torch.float64), m.reshape(-1).to(torch.float64)).to(params[0].device)
+                   for m in moms if m is not None]
+        norm = math.sqrt(float(torch.stack(squares).sum())) if squares else 0.0
+        return (moms, norm) if 0.0 < norm < math.inf else None
+
+    def _guided_step(self, plan: planning.Plan, k: torch.Tensor, params: list[torch.Tensor], closure, fill,
+                     weight: float, moms: list, norm: float):
+        """The step with guided=True (see AFGFW): tangent 0 is v_hat = v / ||v|| (``moms``, of norm ``norm``), the
+        others the stream's u_t projected off it, P u_t = u_t - (v_hat . u_t) v_hat; the dense estimate
+        g = c_0 v_hat + 1/(K-1) sum_t c_t P u_t goes through the gradient path of the fused op."""
+        offsets = plan.offsets
+
+        def unit(j: int) -> torch.Tensor:  # v_hat on params[j], in the momentum's (compute) dtype
+            m = moms[j]
+            return torch.zeros_like(params[j]) if m is None else m / norm
+
+        def drawn(t: int, j: int) -> torch.Tensor:  # the stream's u_t on params[j], in the unit's dtype
+            u = fill(torch.empty_like(params[j]), offsets[id(params[j])], t)
+            return u.to(moms[j].dtype) if moms[j] is not None else u
+
+        def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.dot(a.reshape(-1).to(torch.float64), b.reshape(-1).to(torch.float64)).to(params[0].device)
+
+        # v_hat . u_t over all parameters together, before the passes: the projection needs the whole dot product
+        along = {t: torch.stack([dot(unit(j), drawn(t, j)) for j in range(len(params))]).sum()
+                 for t in range(1, self.num_tangents)}
+
+        def projected(t: int, j: int) -> torch.Tensor:
+            v_hat = unit(j)
+            return drawn(t, j) - along[t].to(v_hat.device, v_hat.dtype) * v_hat
+
+        makers = [lambda j: unit(j).to(params[j].dtype)]
+        makers += [lambda j, t=t: projected(t, j).to(params[j].dtype) for t in range(1, self.num_tangents)]
+        loss, coeffs = self._directional_derivatives(params, makers, closure)
+        if self._replicas is not None:  # v and the tangents are the same on every rank: only the c_t are averaged
+            coeffs = self._replicas.mean_coefficients(coeffs, weight)
+        grads = {}
+        for j, p in enumerate(params):
+            v_hat = unit(j)
+            g = coeffs[0].to(v_hat.device, v_hat.dtype) * v_hat
+            for t in range(1, self.num_tangents):
+                g += coeffs[t].to(v_hat.device, v_hat.dtype) / (self.num_tangents - 1) * projected(t, j)
+            grads[id(p)] = g
+        nonfinite = (~torch.isfinite(coeffs).all().to(k.device) | _ops.nonfinite(list(grads.values()), k.device)
+                     if self.check_finite else None)
+        self._apply(plan, k, nonfinite, grads=functional.gradients(plan, lambda p: grads[id(p)]), tangent_coeffs=None,
+                    seed=0, distribution=0)
+        self._check_replicas(k)
         return loss
 
     def _coefficient_update(self, plan: planning.Plan, k: torch.Tensor, coeffs: torch.Tensor) -> None:
@@ -362,7 +439,40 @@ class AFGFW(_ForwardGradientFrankWolfe):
     weight of the NEW estimate (``v = (1 - gamma) v + gamma g_hat``; FrankWolfe's ``momentum`` rho is the
     weight of the old one, rho = 1 - gamma); ``"4/(k+8)^(2/3)"`` is stochastic Frank-Wolfe's momentum rule
     in this convention. The momentum v is kept in float32 for float16/bfloat16 parameters. Other arguments
-    as in :class:`FGFW`.
+    as in :class:`FGFW`, and:
+
+    Args:
+        guided: spend one of the K >= 2 directional derivatives of a step on the running direction (issue 31,
+            item 3; default False). With :math:`\hat v = v_{k-1} / \|v_{k-1}\|` (the momentum over all
+            perturbed parameters of all groups together, as the tangent stream runs) and
+            :math:`P = I - \hat v \hat v^\top`:
+
+            .. math::
+                c_0 = \langle \nabla f(\theta_k), \hat v\rangle, \qquad
+                c_t = \langle \nabla f(\theta_k), P u_t\rangle \ (t = 1..K-1), \qquad
+                \hat g_k = c_0\, \hat v + \tfrac{1}{K-1} \textstyle\sum_t c_t\, P u_t
+
+            with u_t the stream's tangents t = 1..K-1 of step k (the same ones as without ``guided``). What holds:
+            since E[u u^T] = I (Gaussian and Rademacher) and v_{k-1} depends only on the past,
+            E[g_hat_k | past] = v_hat v_hat^T grad f + P grad f = grad f: the estimate is unbiased conditionally on
+            the past, which is what the paper's Lemma 4 and Theorems 2-3 use. Its component along v_hat is exact;
+            its error lies in v_hat's complement, E[||g_hat - grad f||^2 | past] = d ||P grad f||^2 / (K-1)
+            (Gaussian; at most that for Rademacher), against (d+1) ||grad f||^2 / K for the plain estimate with
+            K tangents: lower when v is aligned with the gradient (for K = 2, when cos^2(v, grad f) > 1/2 roughly),
+            at most about twice it otherwise. The bounds of the proofs, of the form C ||grad f||^2, hold with
+            C = d / (K-1); the rates are the paper's, the constants differ. When v = 0 (the first step, a
+            state without momentum) the step takes the plain estimate. Costs: K forward passes as before (one with
+            ``tangents_in_one_pass``); before them one global dot product v_hat . u_t per random tangent (a
+            regeneration of u_t) and a host read of ||v|| (one synchronisation per step, and a graph break under
+            torch.compile); the estimate is dense
+            and goes through the fused op's gradient path, so a step holds one parameter-sized estimate more.
+            Data parallel: v and the tangents are the same on every replica, so only the K coefficients are
+            averaged, as without it. Needs ``estimator="weight"`` and ``num_tangents >= 2`` (``ValueError``
+            otherwise); saved in ``state_dict`` (a state loaded brings its own setting). FGFW takes no ``guided``:
+            it has no running direction, and the last step's update alpha (s - theta) would point at a vertex,
+            not along a gradient estimate. Measured (bench/RESULTS.md, "Guided tangents"), at equal forward
+            passes against K = 2 plain: better where v tracks the gradient (L1 least squares, d = 50), worse where
+            it does not (d = 500, and fine-tuning a 0.44 M-parameter GPT-2); hence off by default.
     """
 
     def __init__(self, module: nn.Module, params: Iterable | None = None, *, constraint: Constraint,
@@ -370,7 +480,10 @@ class AFGFW(_ForwardGradientFrankWolfe):
                  seed: int | None = None, tangent: str = "gaussian", num_tangents: int = 1, engine: str | None = None,
                  backend: str | None = None, check_finite: bool = True, tangents_in_one_pass: bool = False,
                  estimator: str = "weight", recompute_inputs: bool = False, process_group: object = distributed.AUTO,
-                 check_replicas_every: int = 0, rescale: str | None = None, tangent_scale: str = "unit"):
+                 check_replicas_every: int = 0, rescale: str | None = None, tangent_scale: str = "unit",
+                 guided: bool = False):
+        _check_guided(guided, num_tangents, estimator, "")
+        self.guided = guided
         super().__init__(module, params, dict(step_size=step_size, averaging_weight=averaging_weight),
                          constraint=constraint, seed=seed, tangent=tangent, num_tangents=num_tangents, engine=engine,
                          backend=backend, check_finite=check_finite, tangents_in_one_pass=tangents_in_one_pass,
@@ -378,6 +491,19 @@ class AFGFW(_ForwardGradientFrankWolfe):
                          check_replicas_every=check_replicas_every, rescale=rescale, tangent_scale=tangent_scale)
 
     _SCHEDULE_KEYS = ("step_size", "averaging_weight")
+
+    def _extra_state(self) -> dict:
+        return dict(super()._extra_state(), guided=self.guided)
+
+    def _check_extra_state(self, extra: dict) -> None:
+        # a state saved before guided tangents existed has none: the plain estimate's
+        super()._check_extra_state(dict({"guided": False}, **extra))
+        _check_guided(extra.get("guided", False), extra["num_tangents"], extra.get("estimator", "weight"),
+                      "state_dict's ")
+
+    def _load_extra_state(self, extra: dict) -> None:
+        super()._load_extra_state(extra)
+        self.guided = extra.get("guided", False)
 
     def _check_group_hyperparameters(self, group: dict) -> None:
         super()._check_group_hyperparameters(group)
