@@ -388,3 +388,76 @@ def test_registry():
     assert ENGINES["forward_ad"] is directional_derivative
     assert ENGINES["lean"] is lean.lean_directional_derivative
     assert ENGINES["lean"].batched is lean.lean_directional_derivatives
+
+
+# -- the GEMM layouts of a lean step (issue 30, item 2) ----------------------------------------------------------------
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "baddbmm_"}
+
+
+def _blas_layout(t: torch.Tensor) -> bool:
+    """Whether a GEMM operand is a (batch of) matrices that BLAS reads in place, with 16-byte aligned rows: unit
+    stride along one of its last two dims, the other stride at least that dim's size and a multiple of 16 bytes
+    (a (2 x ld) leading dimension that cuBLAS's vectorised kernels take), and a 16-byte aligned start."""
+    rows, cols = t.shape[-2:]
+    s_rows, s_cols = t.stride()[-2:]
+    if s_cols == 1 or cols == 1:
+        lead, need = s_rows, cols
+    elif s_rows == 1 or rows == 1:
+        lead, need = s_cols, rows
+    else:
+        return False
+    aligned = (lead * t.element_size()) % 16 == 0 or need == 1
+    return lead >= need and aligned and (t.data_ptr() % 16 == 0)
+
+
+def test_gemm_operands_of_a_lean_step_take_blas_layouts():
+    """Every matrix product that a lean AFGFW step on Hugging Face GPT-2 dispatches (Conv1D's addmm with its (in, out)
+    weight, the tied head's linear, attention's per-head products) gets operands that BLAS reads in place with
+    aligned rows (no SIMT fallback for layout's sake on a GPU), when the model's widths are multiples of 4, as the
+    inference forward's are; and each linear layer's product becomes exactly 3 (the primal and two tangent terms:
+    no copy-and-multiply of a transposed weight, no product split by the rule)."""
+    transformers = pytest.importorskip("transformers",
+                                       reason="transformers is not installed (pip install 'fgfw[models]')")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in _GEMMS:
+                self.calls.append((func.overloadpacket.__name__,
+                                   [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.randint(0, 256, (2, 32))
+
+    def closure():
+        return model(tokens, labels=tokens).loss
+
+    opt = fgfw.AFGFW(model, constraint=fgfw.L1Ball(radius=1.0), seed=0, engine="lean")
+    opt.step(closure)
+    inference, step = Gemms(), Gemms()
+    with torch.no_grad(), inference:
+        closure()
+    with step:
+        opt.step(closure)
+    # the check itself: a transposed matrix passes, an every-other-column view, an odd leading dimension and a
+    # misaligned start do not
+    matrix = torch.zeros(8, 12)
+    assert _blas_layout(matrix) and _blas_layout(matrix.T) and not _blas_layout(matrix[:, ::2])
+    assert not _blas_layout(torch.zeros(8, 13)[:, :12]) and not _blas_layout(matrix.view(-1)[1:89].view(8, 11))
+    assert inference.calls and step.calls
+    for name, operands in inference.calls + step.calls:
+        for t in operands:
+            assert _blas_layout(t), (name, tuple(t.shape), t.stride())
+    # the linear layers' products (attention runs in one SDPA kernel in the inference forward, in bmm's in the step)
+    linear = [[name for name, _ in calls if name != "bmm"] for calls in (inference.calls, step.calls)]
+    assert len(linear[0]) == 9  # 2 x (c_attn, attention's c_proj, c_fc, the MLP's c_proj) and the head
+    assert len(linear[1]) == 3 * len(linear[0]), sorted(linear[1])
