@@ -20,7 +20,7 @@
 #        Also a torch.profiler table of one lean AFGFW step on GPT-2 small (scripts/profile_lean_step.py), and
 #        the attention JVP rows (bench/attention_jvp.py: fused kernel, chunked rule, SDPA forward; not yet timed,
 #        45 s guard). Returns summary.txt, build.log, gaussian_roof.txt, kernel_gpu.csv, kernel_gpu.log,
-#        kernel_gpu.png, optimizer_step_gpu.csv, lean_profile.txt, attention_jvp_gpu.csv.
+#        kernel_gpu.png, optimizer_step_gpu.csv, lean_profile.txt, lean_profile_tf32.txt, attention_jvp_gpu.csv.
 # tests: the tests that need a GPU (pytest --gpu-only: CUDA kernels, compiled Triton, CUDA graphs, the
 #        property tests on cuda and triton; CI runs the rest) with FGFW_REQUIRE_CUDA_KERNELS=1, a per-test
 #        timeout and pytest-xdist; then compute-sanitizer memcheck (caching allocator off) and racecheck
@@ -158,6 +158,13 @@ if [ "$phase" = key ]; then
   if python3 -c "import transformers" 2>/dev/null; then
     run "lean step profile" 60 "${profile[@]}" --out "$out/lean_profile.txt" >"$out/lean_profile.log" 2>&1
     grep -E "^(wall|lean AFGFW)" "$out/lean_profile.txt" 2>/dev/null | tee -a "$summary"
+    # issue 30, item 2: the same with TF32 products (is the SIMT sgemm float32's own path?); a CUDA setting, so
+    # the dry run (CPU) leaves it out and keeps its time for the rest of the phase
+    if [ -z "$dry" ]; then
+      run "lean step profile, TF32" 60 "${profile[@]}" --tf32 --out "$out/lean_profile_tf32.txt" \
+        >"$out/lean_profile_tf32.log" 2>&1
+      grep -E "^(wall|lean AFGFW)" "$out/lean_profile_tf32.txt" 2>/dev/null | tee -a "$summary"
+    fi
   else
     say "== lean step profile: not run (no transformers)"
   fi

@@ -2,6 +2,7 @@
 forward-gradient step host-bound, and which ops take the device's time?).
 
     python scripts/profile_lean_step.py --device cuda            # GPT-2 small, batch 8 x 512, float32
+    python scripts/profile_lean_step.py --device cuda --tf32     # the same with TF32 products
     python scripts/profile_lean_step.py --device cpu --tiny      # 2 x 64, batch 2 x 32: the CPU stand-in (CI)
 
 Two warm-up steps, then one profiled step. Prints the step's wall time, the host's op time, the device's kernel
@@ -25,7 +26,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT-2 and a 2 x 32 batch")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tf32", action="store_true",
+                        help="float32 products as TF32 (torch.backends.cuda.matmul.allow_tf32): cuBLAS's tensor-core "
+                             "kernels instead of SIMT sgemm, and the fused attention JVP's float32 path")
     args = parser.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     from transformers import GPT2Config, GPT2LMHeadModel
 
     device = torch.device(args.device)
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
     name = "GPT-2 2 x 64, batch 2 x 32" if args.tiny else "GPT-2 small, batch 8 x 512"
-    lines = [f"lean AFGFW step, K = 1, {name}, float32, {device} "
+    lines = [f"lean AFGFW step, K = 1, {name}, float32{' (TF32 products)' if args.tf32 else ''}, {device} "
              f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), torch {torch.__version__}",
              f"wall {1e3 * wall:.1f} ms; host op time {host_ms:.1f} ms; device kernel time {device_ms:.1f} ms; "
              f"{launches} kernel launches; {ops} aten op calls"]

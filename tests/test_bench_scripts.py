@@ -210,3 +210,11 @@ def test_attention_jvp_tiny(tmp_path):
     assert all(float(r["x_sdpa_forward"]) == 1.0 for (_, m), r in rows.items() if m == "sdpa_forward")
     assert all(float(r["median_ms"]) > 0 for r in rows.values())
     assert "target: fused_jvp bfloat16" in out
+
+
+@needs("transformers")
+def test_profile_lean_step_tf32_flag():
+    """scripts/profile_lean_step.py --tf32 (gpu_check.sh key's second profile, GPU only there) runs and says that its
+    float32 products were TF32 ones."""
+    out = run("scripts/profile_lean_step.py", "--device", "cpu", "--tiny", "--tf32", "--rows", "3")
+    assert "float32 (TF32 products)" in out and "aten op calls" in out

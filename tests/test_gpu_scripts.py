@@ -54,6 +54,7 @@ def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
         if importlib.util.find_spec("transformers"):
             assert "== lean step profile: exit 0" in summary, summary
             assert "kernel launches" in (tmp_path / "lean_profile.txt").read_text()
+            assert "lean step profile, TF32" not in summary, summary  # a CUDA setting: GPU runs only
     elif phase == "models":
         if importlib.util.find_spec("transformers"):
             assert "== real models (GPT-2): exit 0" in summary, summary
