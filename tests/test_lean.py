@@ -1,5 +1,6 @@
 """The lean engine: each lean rule against PyTorch's own JVP and finite differences, the engines against
 backprop, just-in-time tangents, no graph, memory flat in depth, K tangents in one pass."""
+import collections
 import copy
 import weakref
 
@@ -9,6 +10,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fgfw
 from fgfw import lean
@@ -457,7 +459,118 @@ def test_gemm_operands_of_a_lean_step_take_blas_layouts():
     for name, operands in inference.calls + step.calls:
         for t in operands:
             assert _blas_layout(t), (name, tuple(t.shape), t.stride())
-    # the linear layers' products (attention runs in one SDPA kernel in the inference forward, in bmm's in the step)
-    linear = [[name for name, _ in calls if name != "bmm"] for calls in (inference.calls, step.calls)]
+    # the linear layers' products (attention runs in one SDPA kernel in the inference forward, in bmm's and
+    # baddbmm_'s in the step)
+    linear = [[name for name, _ in calls if name not in ("bmm", "baddbmm_")] for calls in (inference.calls, step.calls)]
     assert len(linear[0]) == 9  # 2 x (c_attn, attention's c_proj, c_fc, the MLP's c_proj) and the head
     assert len(linear[1]) == 3 * len(linear[0]), sorted(linear[1])
+
+
+# -- the tangent carrier (fgfw.tangent_carrier): each way a call is carried, against torch's forward AD ----------------
+class Ops(nn.Module):
+    """Three parameters that a closure combines with the op under test."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(21)
+        self.a = nn.Parameter(randn(3, 4))
+        self.b = nn.Parameter(randn(4))
+        self.c = nn.Parameter(randn(3, 4))
+
+
+CARRIED = {  # name -> f(module) -> a tensor; the loss is the sum of its squares' cosines (every entry counts)
+    "views": lambda m: m.a.view(4, 3).t().reshape(12)[2:9].unsqueeze(0).expand(2, 7).contiguous() * 1.5,
+    "split_chunk_unbind": lambda m: torch.cat([*m.a.split([1, 2]), m.c.chunk(2, 1)[1].repeat(1, 2), m.c.unbind(0)[2][None]]),
+    "getitem_permute": lambda m: m.a[None, 1:, ::2].permute(2, 0, 1).flatten().flip(0).roll(1),
+    "add_sub_alpha": lambda m: torch.add(m.a, m.c, alpha=0.5) - torch.sub(m.a, m.b, alpha=2) + torch.rsub(m.c, 3.0, alpha=2),
+    "radd_rsub": lambda m: 2.0 + m.a - (1.0 - m.c) + (m.b - m.a.detach()) + (m.a - torch.ones(3, 4, dtype=D)),
+    "one_tangent_broadcast": lambda m: m.b + torch.ones(3, 4, dtype=D) + (torch.zeros(2, 1, 4, dtype=D) - m.c),
+    "dtype_promotion": lambda m: (m.a.float() + torch.ones(3, 4, dtype=D)) * m.c,
+    "matmul": lambda m: (m.a @ m.c.t()) + torch.matmul(m.a, torch.ones(4, 2, dtype=D)).sum() + m.a.mm(m.c.t()),
+    "bmm": lambda m: torch.bmm(m.a[None], m.c.t()[None]) + torch.bmm(torch.ones(1, 3, 3, dtype=D), m.c[None]).sum(),
+    "pow": lambda m: m.a.pow(2) + torch.pow(m.c, 3.0) + (m.a * m.a + 1) ** 0.5 + m.b ** 1 + m.a.pow(0),
+    "derivative_ops": lambda m: torch.tanh(m.a) + torch.sigmoid(m.c) + torch.exp(m.b) + F.gelu(m.a, approximate="tanh")
+    + F.gelu(m.c) + F.relu(m.a) + F.silu(m.c),
+    "div": lambda m: m.a / 3.0 + torch.div(m.c, torch.full((4,), 2.0, dtype=D)) + m.b / m.a,
+    "cat_stack_missing": lambda m: torch.cat([m.a, torch.ones(1, 4, dtype=D), m.c], 0).sum(0)
+    + torch.stack([m.b, torch.zeros(4, dtype=D)], 1).sum(1),
+    "where_masked_fill": lambda m: torch.where(m.a.detach() > 0, m.a, 0.5) + torch.where(m.c.detach() > 0, 1.0, m.c)
+    + m.a.masked_fill(m.c.detach() < 0, 2.0) + torch.where(m.a.detach() < 0, m.a, m.c),
+    "embedding": lambda m: F.embedding(torch.tensor([[0, 2], [1, 1]]), m.a) * m.b,
+    "dropout_eval_and_casts": lambda m: F.dropout(m.a, 0.3, training=False).to(torch.float32).double().type_as(m.c)
+    + m.c.to(m.c),
+    "sum_mean_neg": lambda m: -m.a.sum(0) + m.c.mean(1, keepdim=True) + torch.neg(m.b).cumsum(0),
+    "fallback_ops": lambda m: torch.sin(m.a) + torch.log_softmax(m.c, -1) + torch.clamp(m.a, -0.5, 0.5) + m.b.sinh(),
+    "inplace": lambda m: _inplace_ops(m),
+    "lean_rules": lambda m: F.layer_norm(m.a, (4,), m.b, m.b) + F.linear(m.c, m.a.t() @ m.a, m.b)
+    + torch.softmax(m.c, -1) * m.a,
+}
+
+
+def _inplace_ops(m):
+    x = m.a * 2  # fresh: a tangent of its own
+    x.add_(m.c).mul_(m.b)
+    y = m.a + torch.zeros(3, 4, dtype=D)  # shares a's tangent: cloned before it is written
+    y += m.c
+    F.relu(y, inplace=True)
+    z = torch.zeros(3, 4, dtype=D)  # no tangent until the write
+    z[1:] = m.c[1:]
+    w = torch.ones(3, 4, dtype=D)
+    w.mul_(m.a)
+    return x + y + z + w + m.a  # m.a's own tangent unchanged by the writes above
+
+
+@pytest.mark.parametrize("name", CARRIED)
+def test_carried_calls_match_torch_forward_ad(name):
+    model = Ops()
+    params = list(model.parameters())
+    tangents = [randn(*p.shape) for p in params]
+    closure = lambda: torch.cos(CARRIED[name](model).double() ** 2).sum()
+    loss, c = ENGINES["lean"](model, params, lambda j: tangents[j], closure)
+    ref_loss, ref_c = directional_derivative(model, params, lambda j: tangents[j], closure)
+    assert ref_c != 0
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(c, ref_c, rtol=1e-10, atol=1e-12)
+
+
+def test_carried_calls_without_duals():
+    """The carried calls above make no forward-AD dual: torch's own rules run only for the fallback ops."""
+    model = Ops()
+    params = list(model.parameters())
+    tangents = [randn(*p.shape) for p in params]
+    for name in ("views", "add_sub_alpha", "matmul", "pow", "derivative_ops", "cat_stack_missing", "lean_rules"):
+        counts = collections.Counter()
+
+        class Counter(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[str(func.overloadpacket)] += 1
+                return func(*args, **(kwargs or {}))
+
+        with Counter():
+            ENGINES["lean"](model, params, lambda j: tangents[j], lambda: CARRIED[name](model).sum())
+        # forward AD's bookkeeping for a dual made or unpacked: none here
+        assert counts["aten._has_same_storage_numel"] == counts["aten.is_same_size"] == 0, name
+
+
+def test_inplace_on_a_view_is_refused_with_the_op_named():
+    model = Ops()
+    params = list(model.parameters())
+    tangents = [randn(*p.shape) for p in params]
+
+    def view_written():
+        x = m_a2 = model.a * 2
+        x[0].mul_(model.b)  # x[0] is a view of x: x's tangent would have to follow
+        return m_a2.sum()
+
+    def base_written():
+        x = model.a * 2
+        v = x[0]
+        x.add_(model.c)  # v's tangent would have to follow
+        return (v * 1.0).sum()
+
+    for closure in (view_written, base_written):
+        with pytest.raises(NotImplementedError, match=r"in-place (mul_|add_)"):
+            ENGINES["lean"](model, params, lambda j: tangents[j], closure)
+        # torch's forward AD follows views: the stock engine still takes it
+        directional_derivative(model, params, lambda j: tangents[j], closure)
+    assert lean._CARRIER is None  # the failed pass left nothing behind

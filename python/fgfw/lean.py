@@ -3,18 +3,22 @@
 ``c = <grad f(theta), u>`` as in :mod:`fgfw.forward_grad`, computed so that a step costs about what an
 inference forward costs.
 
-Just-in-time tangents
----------------------
-The engine runs the closure under a ``TorchFunctionMode`` that sees every torch call. When a call takes
-one of the given parameters (directly, in a list such as an RNN's flat weights, or as ``self`` of a
-method or property such as ``W.T``), the parameter is replaced *for that call only* by a dual tensor
-whose tangent ``make_tangent(j)`` has just materialised; when the call returns, nothing refers to the
-tangent any more and it is freed (unless the call returned a view of the parameter: the view keeps its
-tangent as long as it lives, which is exactly what forward mode needs). So tangent memory is one
-layer's parameters, not the whole model's, and every use of a parameter gets its tangent: attribute
-access, tied weights, parametrizations, parameters the closure captured itself. A parameter used
-twice regenerates the same values (the tangent stream is a pure function of (seed, step, index)).
-Metadata reads (``p.shape``, ``p.dtype``, ``p.size()`` ...) pass through without a tangent.
+Just-in-time tangents, carried beside the primals
+-------------------------------------------------
+The one-tangent engine runs the closure under a ``TorchFunctionMode`` that sees every torch call
+(:class:`fgfw.tangent_carrier.TangentCarrier`). When a call takes one of the given parameters (directly, in a
+list such as an RNN's flat weights, or as ``self`` of a method or property such as ``W.T``), the parameter's
+tangent ``make_tangent(j)`` is materialised *for that call only*; when the call returns, nothing refers to
+it any more and it is freed (unless the call returned a view of the parameter: the view keeps its tangent
+as long as it lives, which is exactly what forward mode needs). So tangent memory is one layer's
+parameters, not the whole model's, and every use of a parameter gets its tangent: attribute access, tied
+weights, parametrizations, parameters the closure captured itself. A parameter used in two calls
+regenerates the same values (the tangent stream is a pure function of (seed, step, index)). Metadata
+reads (``p.shape``, ``p.dtype``, ``p.size()`` ...) pass through without a tangent. The activations' tangents
+are kept beside them in the carrier's table, not as forward-AD duals: a dual made, unpacked or viewed costs
+torch's bookkeeping ops on every call, which made the pass host-bound (see :mod:`fgfw.tangent_carrier` for
+how each call is carried; calls without a carried rule take torch's own forward-mode rule on duals made for
+that call alone).
 
 Lean rules
 ----------
@@ -25,7 +29,8 @@ staticmethod that accumulate in place; they work under ``torch.autograd.forward_
 ``torch.func.jvp`` / ``vmap`` (``generate_vmap_rule``), and so compose with the stock rules of
 everything else. The one-tangent engine runs a rule's ``forward``, ``setup_context`` and ``jvp`` itself
 on the primals and tangents (:func:`_apply`): ``Function.apply``'s per-call machinery costs more than a
-small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
+small layer's kernels; a rule with a ``fused_forward_and_jvp`` (layer_norm with the forward's own row
+statistics, attention's Triton kernel) gives both at once there. Buffers beyond ``y`` and ``y_dot``, per rule:
 
 * ``F.linear`` (``nn.Linear``): none (``F.linear`` of the weight tangent, then ``addmm_`` into it).
 * ``torch.addmm`` (Hugging Face GPT-2's ``Conv1D``, weight stored (in, out)): none, likewise; torch's rule
@@ -36,7 +41,8 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 * ``F.conv2d`` (``nn.Conv2d``): one 1/8-output chunk (the input-tangent term is added batch chunk by
   batch chunk).
 * ``F.layer_norm``: the normalised input ``x_hat`` (row statistics by batched dot products, no
-  product temporaries).
+  product temporaries; the one-tangent engine takes the forward's statistics instead, with one more
+  transient of the input's size).
 * ``F.softmax`` and ``F.cross_entropy`` (class-index targets, no class weights or label smoothing):
   one logits-sized buffer (the softmax), the loss tangent is ``<softmax(z), z_dot> - z_dot[y]``.
 * ``F.scaled_dot_product_attention``: the primal runs on any backend (flash / memory-efficient kernels
@@ -52,10 +58,10 @@ small layer's kernels. Buffers beyond ``y`` and ``y_dot``, per rule:
 * ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with ``need_weights=False``, hence
   ``nn.TransformerEncoderLayer``): in-projection, attention and out-projection by the rules above.
 
-``F.relu`` and ``F.gelu`` need no rule: torch's own is already one kernel on the tangent
-(``threshold_backward`` / ``gelu_backward``), run without a Python call. Anything else (other layers,
-unsupported variants such as dropout inside attention or class weights) runs with torch's own
-forward-mode rules: correct, not lean.
+``F.relu`` and ``F.gelu`` need no rule here: the carrier takes torch's one-kernel derivative ops for them
+(``threshold_backward`` / ``gelu_backward``), and so does torch's own rule under ``vmap``. Anything else
+(other layers, unsupported variants such as dropout inside attention or class weights) runs with torch's
+own forward-mode rules: correct, not lean.
 
 Several tangents in one pass
 ----------------------------
@@ -84,6 +90,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from .forward_ad_engine import _check_loss, _check_params, _check_tangent, directional_derivative
+from .tangent_carrier import TangentCarrier, _Ctx
 
 # the input-tangent term of a convolution is added in this many batch chunks: its temporary is 1/8 output
 _CONV_CHUNKS = 8
@@ -321,6 +328,30 @@ class LayerNormJvp(torch.autograd.Function):
         ctx.save_for_forward(x, weight)
 
     @staticmethod
+    def fused_forward_and_jvp(x, normalized_shape, weight, bias, eps, x_t, _, weight_t, bias_t, __):
+        """(y, y_dot) on plain tensors with the forward's own row statistics (``native_layer_norm`` returns them):
+        fewer calls than ``jvp``, which recomputes them, for one more transient of x's size. None under ``vmap``
+        and where the statistics come in another dtype than x's (half precision), where ``jvp`` runs."""
+        if torch._C._are_functorch_transforms_active():
+            return None
+        y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        if mean.dtype != x.dtype:
+            return None
+        x_hat = torch.sub(x, mean).mul_(rstd)
+        t = None
+        if x_t is not None:
+            dims = tuple(range(-len(normalized_shape), 0))
+            t = x_t - x_t.mean(dims, keepdim=True)
+            t.addcmul_(x_hat, (x_t * x_hat).mean(dims, keepdim=True), value=-1).mul_(rstd)
+            if weight is not None:
+                t.mul_(weight)
+        if weight_t is not None:
+            t = x_hat * weight_t if t is None else t.addcmul_(x_hat, weight_t)
+        if bias_t is not None:
+            t = bias_t.expand_as(y).clone() if t is None else t.add_(bias_t)
+        return y, t
+
+    @staticmethod
     def jvp(ctx, x_t, _, weight_t, bias_t, __):
         x, weight = ctx.saved_tensors
         size = ctx.size
@@ -459,6 +490,8 @@ class AttentionJvp(torch.autograd.Function):
         if fused_attention_jvp_applies(query, key, value, mask, query_t, key_t, value_t):
             return _fused_attention().attention_jvp(query, key, value, query_t, key_t, value_t, ctx.is_causal,
                                                     ctx.scale)[1]
+        if not torch._C._are_functorch_transforms_active():  # plain tensors: the one-tangent pass
+            return _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_t, mask_t)
         # heads split off a fused projection are strided views that a bmm over flattened heads would copy, chunk
         # after chunk: one contiguous copy of each here instead (contiguous() of a contiguous tensor is itself)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -499,17 +532,65 @@ class AttentionJvp(torch.autograd.Function):
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -2)
 
 
+def _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_t, mask_t):
+    """AttentionJvp's tangent on plain tensors, in fewer calls (the one-tangent pass is host-bound on a GPU): the
+    heads flattened once per call, the scale folded into the query and its tangent, products accumulated in place
+    (``baddbmm_``), and ``rowsum(P dS)`` from ``P * dS`` in place. The same chunks of query rows as ``jvp``."""
+    lead, length, size = query.shape[:-2], query.shape[-2], key.shape[-2]
+
+    def flat(x):  # (..., rows, cols) -> (heads, rows, cols), made contiguous once (heads are strided views)
+        return None if x is None else x.contiguous().view(-1, *x.shape[-2:])
+
+    query_s = flat(query) * ctx.scale
+    key_T = flat(key).transpose(1, 2)
+    value = flat(value)
+    query_t_s = None if query_t is None else flat(query_t) * ctx.scale
+    key_t_T = None if key_t is None else flat(key_t).transpose(1, 2)
+    value_t = flat(value_t)
+    chunks = []
+    for start in range(0, length, ctx.rows):
+        stop = min(length, start + ctx.rows)
+        q = query_s[:, start:stop]
+        scores = torch.bmm(q, key_T)
+        if mask is not None:
+            m = mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] == length else mask
+            scores_4d = scores.view(*lead, stop - start, size)
+            if m.dtype == torch.bool:
+                scores_4d.masked_fill_(~m, -math.inf)
+            else:
+                scores_4d.add_(m)
+        if ctx.is_causal:
+            causal = torch.ones(stop - start, size, dtype=torch.bool, device=scores.device).triu_(start + 1)
+            scores.masked_fill_(causal, -math.inf)
+        probs = torch.softmax(scores, -1)
+        del scores
+        d_scores = None
+        if query_t_s is not None:
+            d_scores = torch.bmm(query_t_s[:, start:stop], key_T)
+        if key_t_T is not None:
+            d_scores = torch.bmm(q, key_t_T) if d_scores is None else d_scores.baddbmm_(q, key_t_T)
+        if mask_t is not None:
+            m_t = mask_t[..., start:stop, :] if mask_t.dim() >= 2 and mask_t.shape[-2] == length else mask_t
+            if d_scores is None:
+                d_scores = m_t.expand(*lead, stop - start, size).reshape(probs.shape).clone()
+            else:
+                d_scores.view(*lead, stop - start, size).add_(m_t)
+        out_t = None
+        if d_scores is not None:
+            # dP = P dS - P rowsum(P dS), in the buffer of dS
+            d_probs = d_scores.mul_(probs)
+            d_probs.addcmul_(probs, d_probs.sum(-1, keepdim=True), value=-1)
+            out_t = torch.bmm(d_probs, value)
+        if value_t is not None:
+            out_t = torch.bmm(probs, value_t) if out_t is None else out_t.baddbmm_(probs, value_t)
+        chunks.append(out_t)
+    out_t = chunks[0] if len(chunks) == 1 else torch.cat(chunks, 1)
+    return out_t.view(*lead, length, out_t.shape[-1])
+
+
 # -- routing of torch calls to the rules (same signatures as the functions they replace) -------------------------
-class _Ctx:
-    """The ``ctx`` that a rule's ``setup_context`` and ``jvp`` get when :func:`_apply` runs them itself."""
-
-    def save_for_forward(self, *tensors):
-        self.saved_tensors = tensors
-
-    def set_materialize_grads(self, value):
-        # the rules that leave it on have one floating-point tensor input, and jvp runs only when that
-        # input has a tangent: nothing to materialise
-        pass
+# the TangentCarrier of the one-tangent pass under way, which the rules below are run by; None outside it
+_CARRIER = None
 
 
 def _apply(rule, *args):
@@ -522,6 +603,8 @@ def _apply(rule, *args):
     ``fused_forward_and_jvp`` (attention) may give the primal and tangent from one kernel instead. Under
     ``torch.func`` (the batched engine, ``vmap`` over ``jvp``) or with grad mode on, ``apply`` it is.
     """
+    if _CARRIER is not None:  # the one-tangent pass carries tangents beside the primals (fgfw.tangent_carrier)
+        return _CARRIER.apply_rule(rule, args)
     level = fwAD._current_level
     if level < 0 or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
         return rule.apply(*args)
@@ -651,7 +734,7 @@ _RULES = {
     torch.mul: mul, torch.Tensor.mul: mul, torch.Tensor.__mul__: mul, torch.Tensor.__rmul__: rmul,
     F.conv2d: conv2d,
     F.layer_norm: layer_norm,
-    F.softmax: softmax, torch.Tensor.softmax: softmax,
+    F.softmax: softmax, torch.softmax: softmax, torch.Tensor.softmax: softmax,
     F.cross_entropy: cross_entropy,
     F.scaled_dot_product_attention: scaled_dot_product_attention,
     F.multi_head_attention_forward: multi_head_attention_forward,
@@ -741,21 +824,32 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
         # mean a new graph each step); traced, the stock forward-AD pass is one graph whose buffers
         # Inductor plans itself.
         return directional_derivative(module, params, make_tangent, closure)
+    global _CARRIER
     params = list(params)
     _check_params(module, params)
+    if _CARRIER is not None:
+        raise RuntimeError("lean_directional_derivative cannot run inside another lean pass")
 
-    def dual_of(j: int) -> torch.Tensor:
+    def checked_tangent(j: int) -> torch.Tensor:
         tangent = make_tangent(j)
         _check_tangent(j, params[j], tangent)
         if not (tangent.is_floating_point() or tangent.is_complex()):  # as fwAD.make_dual checks
             raise ValueError(f"params[{j}] is {tangent.dtype}: forward AD needs floating-point or complex tensors")
-        # torch._make_dual is fwAD.make_dual without its per-call wrappers (a few microseconds each)
-        return torch._make_dual(params[j].detach(), tangent, level)
+        return tangent
 
+    # a dual level stays open for the calls that take torch's own rules (fgfw.tangent_carrier)
     with torch.inference_mode(False), torch.no_grad(), fwAD.dual_level() as level:
-        with _JustInTimeTangents(params, dual_of):
-            loss = closure()
-        primal, loss_tangent = torch._unpack_dual(_check_loss(loss), level)
+        carrier = TangentCarrier(params, checked_tangent, level, _RULES, {F.multi_head_attention_forward},
+                                 _NEEDS_MATH_ATTENTION, _reads_metadata_only)
+        _CARRIER = carrier
+        try:
+            with carrier:
+                loss = _check_loss(closure())
+        finally:
+            _CARRIER = None
+        loss_tangent = carrier.tangent(loss)
+        primal, dual_tangent = torch._unpack_dual(loss, level)  # a loss that ended as a dual of torch's rules
+        loss_tangent = dual_tangent if loss_tangent is None else loss_tangent
         loss = primal.detach().reshape(())
         c = torch.zeros_like(loss) if loss_tangent is None else loss_tangent.detach().reshape(())
     return loss, c
