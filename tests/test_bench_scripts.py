@@ -180,6 +180,20 @@ def test_op_count_of_a_lean_step_against_inference():
         assert 0 < inference < step <= 5.0 * inference
 
 
+def test_lean_carrier_tiny():
+    """bench/lean_carrier.py: the carried pass and the pass with duals give the same directional derivative, and the
+    table has a row per method."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'fgfw[models]')")
+    out = run("bench/lean_carrier.py", "--layers", "1", "--width", "32", "--batch", "2", "--length", "16",
+              "--repeats", "1")
+    header = out.splitlines()[0]
+    c_duals = float(header.split("c with duals ")[1].split(",")[0])
+    c_carried = float(header.split("carried ")[1])
+    assert c_duals != 0 and abs(c_carried - c_duals) <= 1e-4 * abs(c_duals)
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert rows == ["inference", "backprop_adamw", "lean_duals", "lean_carrier"]
+
+
 def test_kernel_bench_blocked_argmax_is_torch_argmax():
     """The compile rows' two-stage argmax (bench/kernel_bench.py, argmax_rows) picks torch.argmax's index, the
     lowest on ties, in the last whole block, the tail and across blocks."""
