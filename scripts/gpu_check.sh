@@ -6,6 +6,10 @@
 #   OUT=results/gpu bash scripts/gpu_check.sh tests    # ~5.5 min (budget TESTS_BUDGET=380 s)
 #   OUT=results/gpu bash scripts/gpu_check.sh models   # GPT-2 small rows, not yet timed (MODELS_BUDGET=560 s)
 #
+# models does not fit one lease beside the other two: it is a lease of its own. Its fine-tuning comparison alone,
+# without the sm_90 build (Triton kernels, compiled in each method's first step; estimated 3-4 min):
+#   PYTHONPATH=python python3 bench/finetune.py --task text --model gpt2-small --device cuda --out "$OUT"
+#
 # Measured on an H200 (2026-11-27, code 805cda4): the sm_90 build 81 s, key 198 s in all (the build, the
 # optimizer-step rows 38 s, the kernel rows 47 s), tests: the CUDA part 120 s and the Triton part 154 s with 16
 # workers (GPU_TEST_WORKERS, default 16) from a cold JIT cache, compute-sanitizer memcheck 27 s.
