@@ -38,8 +38,8 @@ Writes ``finetune_<task>.csv`` (every run's end: validation, and test for the fi
 ``finetune_<task>_curves.csv`` into ``--out``, and ``finetune_<task>.png`` into ``--figures``.
 
 GPT-2 small on a GPU (issue 31, item 4): ``--model gpt2-small`` is the text task at the size users fine-tune,
-Hugging Face ``GPT2LMHeadModel`` with GPT-2 small's configuration (12 layers x 768, 12 heads, context 512,
-vocabulary 50,257: 124 M parameters, float32, dropout 0), batch 8 x 512. The text stays byte-level, so only
+Hugging Face ``GPT2LMHeadModel`` with GPT-2 small's configuration (12 layers x 768, 12 heads, 1,024 positions,
+vocabulary 50,257: 124 M parameters, float32, dropout 0), context 512, batch 8 x 512. The text stays byte-level, so only
 token ids < 256 occur; the vocabulary is GPT-2's so that the embedding, the head and its logits, and with them
 the time and memory, are the real model's. Nothing is downloaded: the model is pre-trained here, with Adam
 (lr 6e-4, GPT-2 small's rate from scratch; no warm-up) for ``--pretrain-steps`` (300) steps on the same
@@ -122,10 +122,10 @@ MEZO_COMPARISON = ("mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred"
 # --model: (GPT-2 architecture, batch size, context, pre-training steps, pre-training learning rate)
 TEXT_MODELS = {
     "byte": (dict(n_layer=2, n_embd=128, n_head=4, vocab_size=256), 16, 64, 1500, 1e-3),
-    "gpt2-small": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257), 8, 512, 300, 6e-4),
+    "gpt2-small": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 8, 512, 300, 6e-4),
 }
 # its CPU miniature (--quick): weights (1 MiB) above a step's activations, so that a peak without them shows
-GPT2_SMALL_QUICK = (dict(n_layer=2, n_embd=96, n_head=2, vocab_size=512), 2, 16, 5, 6e-4)
+GPT2_SMALL_QUICK = (dict(n_layer=2, n_embd=96, n_head=2, vocab_size=512, n_positions=32), 2, 16, 5, 6e-4)
 
 
 # -- tasks -------------------------------------------------------------------------------------------------------------
