@@ -36,11 +36,39 @@ each run.
 
 Writes ``finetune_<task>.csv`` (every run's end: validation, and test for the final runs) and
 ``finetune_<task>_curves.csv`` into ``--out``, and ``finetune_<task>.png`` into ``--figures``.
+
+GPT-2 small on a GPU (issue 31, item 4): ``--model gpt2-small`` is the text task at the size users fine-tune,
+Hugging Face ``GPT2LMHeadModel`` with GPT-2 small's configuration (12 layers x 768, 12 heads, 1,024 positions,
+vocabulary 50,257: 124 M parameters, float32, dropout 0), context 512, batch 8 x 512. The text stays byte-level, so only
+token ids < 256 occur; the vocabulary is GPT-2's so that the embedding, the head and its logits, and with them
+the time and memory, are the real model's. Nothing is downloaded: the model is pre-trained here, with Adam
+(lr 6e-4, GPT-2 small's rate from scratch; no warm-up) for ``--pretrain-steps`` (300) steps on the same
+pre-training corpus, then fine-tuned on the same headers. No step-size grid and one seed (0): every method
+fine-tunes once at the step size the text task chose above (``TEXT_CHOSEN``, bench/RESULTS.md; not tuned at this
+size, ``--grid METHOD=STEP`` overrides one) for ``--passes`` (200) forward passes, or until its steps have taken
+``--seconds`` (30 s, a cap so the run fits its time on a GPU; the CSV's ``passes`` says when it bit). Methods:
+``MEZO_COMPARISON``. Each row: the test loss of the pre-trained start and at the end; the median time of a step
+(the run's own steps after its first, evaluation excluded; reading each step's loss waits for its device work)
+and per forward pass (a step's time over the passes it counts: a backprop step counts one, so its backward is in
+its pass); the peak memory above what was allocated before the run: the copy of the pre-trained model, its
+optimizer's state and a step's working memory (CUDA: ``torch.cuda.max_memory_allocated`` after a reset, over the
+copy and every step; CPU: ``fgfw.lean.measure_peak``, torch's profiler, over a separate copy taking two steps; both
+count tensors, not the process's resident set); and both as ratios to MeZO's. ``--quick`` shrinks the model to a
+miniature of the same code path (two layers x 96, two heads, context 16, vocabulary 512; batch 2, 5 pre-training
+steps, 8 passes) for a CPU smoke run. The corpora are the running Python's standard library and the running
+torch's headers, so figures belong to those versions.
+
+    python bench/finetune.py --task text --model gpt2-small --device cuda     # ~3 min on an H200 (estimated)
+    python bench/finetune.py --task text --model gpt2-small --device cpu --quick
+
+Writes ``finetune_text_gpt2_small_<device>.csv`` into ``--out``, rewritten after every method, so that a run cut
+short keeps the methods it finished.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -84,26 +112,46 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
 CENTRED_SCALE = 0.5
 PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2}  # every other method: 1
 SEEDS = (0, 1, 2)
+# the step sizes the text task chose on its validation split (bench/RESULTS.md, "Text" and the sections after it):
+# --model gpt2-small's fixed settings
+TEXT_CHOSEN = {"adam": 1e-3, "frankwolfe": 3e-3, "afgfw": 3e-4, "afgfw_activity": 3e-3, "fgfw": 1e-4, "mezo": 1e-4,
+               "frankwolfe_centred": 1e-3, "afgfw_centred": 1e-4, "afgfw_activity_centred": 1e-4, "fgfw_centred": 3e-5,
+               "afgfw_activity_rms_centred": 1e-4, "afgfw_k2_centred": 3e-4, "afgfw_guided_centred": 1e-4}
+# --model gpt2-small's methods by default: MeZO first, the yardstick of the ratios
+MEZO_COMPARISON = ("mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred", "adam")
+# --model: (GPT-2 architecture, batch size, context, pre-training steps, pre-training learning rate)
+TEXT_MODELS = {
+    "byte": (dict(n_layer=2, n_embd=128, n_head=4, vocab_size=256), 16, 64, 1500, 1e-3),
+    "gpt2-small": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 8, 512, 300, 6e-4),
+}
+# its CPU miniature (--quick): weights (1 MiB) above a step's activations, so that a peak without them shows
+GPT2_SMALL_QUICK = (dict(n_layer=2, n_embd=96, n_head=2, vocab_size=512, n_positions=32), 2, 16, 5, 6e-4)
 
 
 # -- tasks -------------------------------------------------------------------------------------------------------------
 class Task:
-    """A model to pre-train and fine-tune, its data and losses. ``batch(split, generator)`` draws a batch;
-    ``loss(model, batch, per_example)`` is the training loss; ``evaluate(model, split)`` -> (loss, accuracy)."""
+    """A model to pre-train and fine-tune, its data and losses. ``batch(split, generator)`` draws a batch on
+    ``device``; ``loss(model, batch, per_example)`` is the training loss; ``evaluate(model, split)`` -> (loss,
+    accuracy)."""
 
     name = ""
     pretrain_steps = 0
+    pretrain_lr = 1e-3
     batch_size = 0
+    device = torch.device("cpu")
 
     def model(self) -> nn.Module:
         raise NotImplementedError
 
 
 class TextTask(Task):
-    name, pretrain_steps, batch_size, length = "text", 1500, 16, 64
+    name = "text"
     eval_windows = 128
 
-    def __init__(self, quick: bool = False):
+    def __init__(self, quick: bool = False, model: str = "byte", device: str = "cpu"):
+        self.arch, self.batch_size, self.length, self.pretrain_steps, self.pretrain_lr = \
+            GPT2_SMALL_QUICK if quick and model == "gpt2-small" else TEXT_MODELS[model]
+        self.device = torch.device(device)
         stdlib = sysconfig.get_paths()["stdlib"]
         headers = os.path.join(os.path.dirname(torch.__file__), "include", "c10")
         self.pretrain = self._bytes(sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py")))
@@ -120,10 +168,10 @@ class TextTask(Task):
 
     def model(self) -> nn.Module:
         from real_models import build_model
-        return build_model("gpt2", dict(n_layer=2, n_embd=128, n_head=4, vocab_size=256), self.length)
+        return build_model("gpt2", self.arch, self.length)
 
     def _windows(self, tokens, starts):
-        w = torch.stack([tokens[s:s + self.length + 1] for s in starts.tolist()])
+        w = torch.stack([tokens[s:s + self.length + 1] for s in starts.tolist()]).to(self.device)
         return w[:, :-1], w[:, 1:]
 
     def batch(self, split, generator):
@@ -219,9 +267,9 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
 
 def pretrain(task: Task) -> nn.Module:
     torch.manual_seed(0)
-    model = task.model()
+    model = task.model().to(task.device)  # initialised on the CPU: the same start on every device
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=task.pretrain_lr)
     generator = torch.Generator().manual_seed(0)
     for _ in range(task.pretrain_steps):
         task.loss(model, task.batch("pretrain", generator)).backward()
@@ -230,42 +278,111 @@ def pretrain(task: Task) -> nn.Module:
     return model
 
 
+def peak_memory(task: Task, start: nn.Module, method: str, step_size: float, steps: int = 2) -> int:
+    """Bytes at the peak while a copy of ``start`` takes ``steps`` steps of ``method``, above what was allocated
+    before (``fgfw.lean.measure_peak``): the copy's weights, its optimizer's state and a step's working memory. Two
+    steps, so that state the first step makes (Adam's moments, the momentum v) is held through a whole step; the
+    steps after repeat the second's allocations."""
+    from fgfw.lean import measure_peak
+
+    generator = torch.Generator().manual_seed(2000)
+    batches = [task.batch("train", generator) for _ in range(steps)]
+
+    def run():
+        model = copy.deepcopy(start)
+        step = make_step(method, model, task, step_size, 0)
+        for batch in batches:
+            try:
+                step(batch)
+            except ValueError:  # fgfw's check_finite refused the estimate after the step's work: still measured
+                pass
+    return measure_peak(run, task.device)[1]
+
+
 def fine_tune(task: Task, start: nn.Module, method: str, step_size: float, seed: int, *, passes: int | None = None,
-              seconds: float | None = None, points: int = 10, test: bool = False) -> tuple[dict, list[dict]]:
+              seconds: float | None = None, points: int = 10, test: bool = False,
+              memory: bool = False) -> tuple[dict, list[dict]]:
     """One fine-tuning run from a copy of ``start`` until ``passes`` forward passes or ``seconds`` of training.
 
-    Returns (the end: validation loss, and the test split's loss and accuracy when ``test``; the validation
-    curve: ``points`` + 1 points, by passes or by seconds)."""
+    Returns (the end: validation loss, the median milliseconds of a step after the first, and the test split's loss
+    and accuracy when ``test``; the validation curve: ``points`` + 1 points, by passes or by seconds).
+
+    ``memory``: the end also has ``peak_mib``, the run's peak above what was allocated before it: the copy's weights,
+    its optimizer's state, a step's working memory. On CUDA the caching allocator's peak from the copy to the last
+    step (reset there, read there: with ``points=0`` no evaluation falls inside); on the CPU :func:`peak_memory`'s
+    separate copy and two steps (torch's profiler, too slow to keep on through the run)."""
+    curve = [dict(passes=0, seconds=0.0, val_loss=task.evaluate(start, "val")[0])]
+    if memory:
+        gc.collect()  # an earlier run's model and optimizer, which refer to each other, out of the baseline
+    on_cuda = memory and task.device.type == "cuda"
+    if memory and not on_cuda:
+        peak = peak_memory(task, start, method, step_size)
+    elif on_cuda:
+        if points:
+            raise ValueError(f"memory=True on CUDA measures the steps alone: needs points=0, got points={points}")
+        torch.cuda.synchronize(task.device)
+        torch.cuda.reset_peak_memory_stats(task.device)
+        held = torch.cuda.memory_allocated(task.device)
     model = copy.deepcopy(start)
     torch.manual_seed(seed)
     step = make_step(method, model, task, step_size, seed)
     generator = torch.Generator().manual_seed(1000 + seed)
     per_step = PASSES_PER_STEP.get(method, 1)
-    curve = [dict(passes=0, seconds=0.0, val_loss=task.evaluate(model, "val")[0])]
     done = elapsed = 0.0
+    step_seconds = []
     diverged = False
     next_point = 1
     while (passes is None or done < passes) and (seconds is None or elapsed < seconds):
         batch = task.batch("train", generator)
         begin = time.perf_counter()
         try:
-            loss = float(step(batch))
+            loss = float(step(batch))  # reading the loss waits for the step's device work
         except ValueError:  # fgfw's check_finite: a non-finite estimate left the parameters as they were
             loss = float("nan")
-        elapsed += time.perf_counter() - begin
+        step_seconds.append(time.perf_counter() - begin)
+        elapsed += step_seconds[-1]
         done += per_step
         progress = done / passes if passes is not None else elapsed / seconds
         if loss != loss or loss == float("inf"):
             diverged = True
             break
-        if progress >= next_point / points:
+        if points and progress >= next_point / points:
             curve.append(dict(passes=done, seconds=elapsed, val_loss=task.evaluate(model, "val")[0]))
             next_point = int(progress * points) + 1
+    if on_cuda:
+        peak = torch.cuda.max_memory_allocated(task.device) - held  # every step read its loss: nothing pending
     end = dict(method=method, step_size=step_size, seed=seed, passes=done, seconds=elapsed, diverged=diverged,
-               val_loss=float("inf") if diverged else task.evaluate(model, "val")[0])
+               val_loss=float("inf") if diverged else task.evaluate(model, "val")[0],
+               ms_per_step=1e3 * statistics.median(step_seconds[1:] or step_seconds))  # the first: warm-up
+    if memory:
+        end["peak_mib"] = peak / 2**20
     if test:
         end["test_loss"], end["test_accuracy"] = task.evaluate(model, "test") if not diverged else (float("inf"), None)
     return end, curve
+
+
+def compare(task: Task, start: nn.Module, steps: dict[str, float], passes: int, seconds: float | None, path: str,
+            common: dict) -> list[dict]:
+    """Issue 31, item 4: each method of ``steps`` (method -> step size) fine-tunes ``start`` once (seed 0); its
+    time and peak memory beside MeZO's. The rows are written to ``path`` after every method."""
+    from fgfw.experiments import write_csv
+
+    common = dict(common, test_loss_start=task.evaluate(start, "test")[0])
+    rows = []
+    for method, step_size in steps.items():
+        end, _ = fine_tune(task, start, method, step_size, 0, passes=passes, seconds=seconds, points=0, test=True,
+                           memory=True)
+        end.pop("test_accuracy")
+        rows.append(dict(common, **end, ms_per_pass=end["ms_per_step"] / PASSES_PER_STEP.get(method, 1)))
+        mezo = next((r for r in rows if r["method"] == "mezo"), None)
+        for row in rows:
+            row["time_vs_mezo"] = row["ms_per_pass"] / mezo["ms_per_pass"] if mezo else None
+            row["memory_vs_mezo"] = row["peak_mib"] / mezo["peak_mib"] if mezo else None
+        write_csv(path, rows)
+        print(f"  {method} step {step_size:g}: {end['passes']:.0f} passes, {end['ms_per_step']:.1f} ms per step, "
+              f"peak {end['peak_mib']:.1f} MiB, test loss {common['test_loss_start']:.4f} -> {end['test_loss']:.4f}",
+              flush=True)
+    return rows
 
 
 def main() -> None:
@@ -273,11 +390,20 @@ def main() -> None:
     parser.add_argument("--task", choices=("text", "mnist"), required=True)
     parser.add_argument("--data", default=os.path.join(HERE, "..", "..", "shared", "data", "mnist"),
                         help="MNIST IDX folder (task mnist)")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--passes", type=int, default=None, help="forward-pass budget (text 400, mnist 2000)")
-    parser.add_argument("--seconds", type=float, default=None, help="wall-clock budget (text 10, mnist 4)")
+    parser.add_argument("--methods", default=None, help="comma-separated (default: METHODS; gpt2-small: "
+                        "MEZO_COMPARISON)")
+    parser.add_argument("--model", choices=tuple(TEXT_MODELS), default="byte",
+                        help="the text task's model; gpt2-small: issue 31, item 4's comparison (the docstring)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--passes", type=int, default=None,
+                        help="forward-pass budget (text 400, mnist 2000, gpt2-small 200)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="wall-clock budget (text 10, mnist 4); gpt2-small: each method's cap (30)")
+    parser.add_argument("--pretrain-steps", type=int, default=None,
+                        help="Adam steps of pre-training (text 1500, mnist 400, gpt2-small 300)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, one seed, one step size")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, one seed, one step size "
+                        "(gpt2-small: its miniature)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--figures", default=os.path.join(HERE, "figures"))
     parser.add_argument("--suffix", default="", help="appended to the output files' names (finetune_<task><suffix>)")
@@ -285,26 +411,53 @@ def main() -> None:
                         help="a method's step sizes for this run instead of GRIDS' (a grid extended past its edge)")
     parser.add_argument("--select-only", action="store_true", help="the step-size selection only, no seeds")
     args = parser.parse_args()
+    comparison = args.model != "byte"
+    if args.task != "text" and (comparison or args.device != "cpu"):
+        parser.error(f"--model {args.model} --device {args.device}: the text task only (got --task {args.task})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU (torch.cuda.is_available() is False)")
     torch.set_num_threads(args.threads)
-    task = TextTask(args.quick) if args.task == "text" else MnistTask(args.data, args.quick)
-    passes = args.passes or (4 if args.quick else 400 if args.task == "text" else 2000)
-    seconds = args.seconds or (0.2 if args.quick else 10.0 if args.task == "text" else 4.0)
-    methods = args.methods.split(",")
-    grids = {m: GRIDS[m][1:2] if args.quick else GRIDS[m] for m in methods}
+    task = TextTask(args.quick, args.model, args.device) if args.task == "text" else MnistTask(args.data, args.quick)
+    if args.pretrain_steps is not None:
+        task.pretrain_steps = args.pretrain_steps
+    if comparison:
+        passes = args.passes or (8 if args.quick else 200)
+        seconds = args.seconds or (None if args.quick else 30.0)
+    else:
+        passes = args.passes or (4 if args.quick else 400 if args.task == "text" else 2000)
+        seconds = args.seconds or (0.2 if args.quick else 10.0 if args.task == "text" else 4.0)
+    methods = args.methods.split(",") if args.methods else list(MEZO_COMPARISON if comparison else METHODS)
+    if unknown := [m for m in methods if m not in METHODS]:
+        parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+    grids = {m: (TEXT_CHOSEN[m],) if comparison else GRIDS[m][1:2] if args.quick else GRIDS[m] for m in methods}
     for spec in args.grid:
         method, _, steps = spec.partition("=")
         if method not in grids:
             parser.error(f"--grid {spec!r}: {method!r} is not among --methods")
         grids[method] = tuple(sorted(float(x) for x in steps.split(",")))
+        if comparison and len(grids[method]) != 1:
+            parser.error(f"--grid {spec!r}: --model {args.model} runs one step size per method")
     seeds = SEEDS[:1] if args.quick else SEEDS
 
     from fgfw.experiments import write_csv
 
     began = time.perf_counter()
     start = pretrain(task)
+    pretrain_seconds = time.perf_counter() - began
     start_val = task.evaluate(start, "val")[0]
-    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps), validation loss on the new task "
-          f"{start_val:.4f}", flush=True)
+    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps, {pretrain_seconds:.0f} s), validation loss "
+          f"on the new task {start_val:.4f}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    if comparison:
+        name = f"finetune_text_{args.model.replace('-', '_')}_{args.device}{args.suffix}"
+        rows = compare(task, start, {m: grids[m][0] for m in methods}, passes, seconds,
+                       os.path.join(args.out, f"{name}.csv"),
+                       dict(device=args.device, model=args.model + ("-quick" if args.quick else ""),
+                            parameters=sum(p.numel() for p in start.parameters()), batch=task.batch_size,
+                            length=task.length, pretrain_steps=task.pretrain_steps,
+                            pretrain_seconds=round(pretrain_seconds, 1)))
+        print_comparison(rows, time.perf_counter() - began)
+        return
     ends, curves = [], []
     chosen = {}
     for method in methods:
@@ -327,7 +480,6 @@ def main() -> None:
                 print(f"  {method} ({budget}) seed {seed}: {end['passes']:.0f} passes, {end['seconds']:.1f} s, test "
                       f"loss {end['test_loss']:.4f}" + (f", accuracy {end['test_accuracy']:.4f}"
                                                         if end.get("test_accuracy") is not None else ""), flush=True)
-    os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.figures, exist_ok=True)
     name = f"finetune_{task.name}{args.suffix}"
     write_csv(os.path.join(args.out, f"{name}.csv"), ends)
@@ -355,6 +507,20 @@ def print_summary(ends: list[dict], chosen: dict, start_val: float, took: float)
                   f"{statistics.fmean(e['passes'] for e in runs):8.0f} {statistics.fmean(e['seconds'] for e in runs):8.1f} "
                   f"{spread(losses):>24} {spread(accs) if accs else '':>14}")
     print("* the chosen step size is at the edge of its grid")
+
+
+def print_comparison(rows: list[dict], took: float) -> None:
+    first = rows[0]
+    print(f"\n{first['model']} on {first['device']}: {first['parameters']:,} parameters, batch {first['batch']} x "
+          f"{first['length']}, {first['pretrain_steps']} Adam steps of pre-training ({first['pretrain_seconds']} s); "
+          f"test loss of the start {first['test_loss_start']:.4f}; {took:.0f} s in all")
+    print("| method | step | passes | ms per step | ms per pass | x MeZO | peak MiB | x MeZO | test loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratio = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        print(f"| {r['method']} | {r['step_size']:g} | {r['passes']:.0f} | {r['ms_per_step']:.1f} | "
+              f"{r['ms_per_pass']:.1f} | {ratio(r['time_vs_mezo'])} | {r['peak_mib']:.1f} | "
+              f"{ratio(r['memory_vs_mezo'])} | {r['test_loss']:.4f} |")
 
 
 def plot(path: str, curves: list[dict], start_val: float, name: str) -> None:

@@ -146,8 +146,9 @@ def build_model(kind: str, arch: dict, length: int) -> nn.Module:
         return torchvision.models.resnet18(num_classes=10)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
-        config = GPT2Config(n_positions=length, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                            bos_token_id=0, eos_token_id=0, **arch)
+        # arch may set n_positions above the sequence length (preset gpt2's 2048, GPT-2 small's 1024)
+        config = GPT2Config(**{"n_positions": length, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                               "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, **arch})
         return GPT2LMHeadModel(config)
     from transformers import LlamaConfig, LlamaForCausalLM
     # as many key/value heads as query heads: grouped-query attention would route around the lean attention rule

@@ -4,7 +4,11 @@
 #
 #   OUT=results/gpu bash scripts/gpu_check.sh key      # 198 s on an H200 (budget KEY_BUDGET=280 s)
 #   OUT=results/gpu bash scripts/gpu_check.sh tests    # ~5.5 min (budget TESTS_BUDGET=380 s)
-#   OUT=results/gpu bash scripts/gpu_check.sh models   # issue 30's GPT-2 rows, not yet timed (MODELS_BUDGET=300 s)
+#   OUT=results/gpu bash scripts/gpu_check.sh models   # GPT-2 small rows, not yet timed (MODELS_BUDGET=560 s)
+#
+# models does not fit one lease beside the other two: it is a lease of its own. Its fine-tuning comparison alone,
+# without the sm_90 build (Triton kernels, compiled in each method's first step; estimated 3-4 min):
+#   PYTHONPATH=python python3 bench/finetune.py --task text --model gpt2-small --device cuda --out "$OUT"
 #
 # Measured on an H200 (2026-11-27, code 805cda4): the sm_90 build 81 s, key 198 s in all (the build, the
 # optimizer-step rows 38 s, the kernel rows 47 s), tests: the CUDA part 120 s and the Triton part 154 s with 16
@@ -28,6 +32,12 @@
 #        either way); then, if time is left, bench/memory.py --quick and torch.compile rows for FGFW and FW.
 #        Returns summary.txt, tests_cuda.log, tests_triton.log, sanitizer.log, memory_gpu.csv,
 #        kernel_gpu_compile.csv, extra.log (both benchmarks' output), and build.log when it had to build.
+# models: issue 30's GPT-2 small rows (bench/real_models.py: time and peak memory of each method's step, each case a
+#        process; what is left of the budget after the fine-tuning's reserve), then issue 31's fine-tuning comparison
+#        (bench/finetune.py --model gpt2-small: pre-training, then MeZO, AFGFW, FGFW, FrankWolfe and Adam fine-tuned,
+#        each with its time per pass and peak memory beside MeZO's; estimated 3 min, 270 s reserved). Returns
+#        summary.txt, real_models_gpu.csv, real_models_gpu.log, finetune_text_gpt2_small_cuda.csv,
+#        finetune_gpt2_small.log, and build.log when it had to build.
 #
 # Every step runs under `timeout` with limit = min(its own, deadline - now - margin), where the deadline is
 # the command's budget from its start; a step with under 10 s left is skipped and said so. The summary's
@@ -44,7 +54,7 @@ phase=${1:-}
 case "$phase" in
   key) budget=${KEY_BUDGET:-280} ;;
   tests) budget=${TESTS_BUDGET:-380} ;;
-  models) budget=${MODELS_BUDGET:-300} ;;
+  models) budget=${MODELS_BUDGET:-560} ;;
   *) echo "usage: OUT=dir bash scripts/gpu_check.sh key|tests|models" >&2; exit 2 ;;
 esac
 out=${OUT:-results/gpu}
@@ -196,12 +206,19 @@ elif [ "$phase" = models ]; then
     forward,backprop_adamw,mezo,afgfw_lean,afgfw_lean_k4,afgfw_activity_recompute --case-timeout 120)
   [ -n "$dry" ] && models=(python3 bench/real_models.py --preset tiny --device cpu --models gpt2 --rounds 1 \
     --repeats 1 --methods forward,backprop_adamw,afgfw_lean)
+  # issue 31, item 4: GPT-2 small pre-trained here (300 Adam steps), then fine-tuned by each method for 200 forward
+  # passes (each capped at 30 s of steps), float32, batch 8 x 512; the CSV is rewritten after every method
+  finetune=(python3 bench/finetune.py --task text --model gpt2-small --device cuda)
+  [ -n "$dry" ] && finetune=(python3 bench/finetune.py --task text --model gpt2-small --device cpu --quick)
+  finetune_reserve=270
   if python3 -c "import transformers" 2>/dev/null; then
-    run "real models (GPT-2)" $((budget - 20)) "${models[@]}" --name real_models_gpu --out "$out" --figures "$out" \
-      >"$out/real_models_gpu.log" 2>&1
+    run "real models (GPT-2)" $((deadline - $(date +%s) - margin - finetune_reserve)) "${models[@]}" \
+      --name real_models_gpu --out "$out" --figures "$out" >"$out/real_models_gpu.log" 2>&1
     grep -E "^(gpt2|model )" "$out/real_models_gpu.log" | tee -a "$summary"
+    run "fine-tuning GPT-2 small" "$finetune_reserve" "${finetune[@]}" --out "$out" >"$out/finetune_gpt2_small.log" 2>&1
+    grep -E "^(\||gpt2-small)|Error" "$out/finetune_gpt2_small.log" | tee -a "$summary"
   else
-    say "== real models: not run (no transformers)"
+    say "== real models and fine-tuning: not run (no transformers)"
   fi
 else
   xdist=()

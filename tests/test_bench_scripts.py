@@ -105,6 +105,38 @@ def test_finetune_mnist_quick(tmp_path):
     assert (tmp_path / "finetune_mnist.png").stat().st_size > 0
 
 
+TORCH_HEADERS = os.path.join(os.path.dirname(torch.__file__), "include", "c10")  # the text task's fine-tuning data
+
+
+@needs("transformers")
+@pytest.mark.skipif(not os.path.isdir(TORCH_HEADERS), reason=f"needs torch's C++ headers at {TORCH_HEADERS}")
+def test_finetune_gpt2_small_comparison_quick(tmp_path):
+    """Issue 31, item 4's GPU comparison (bench/finetune.py --model gpt2-small) at its CPU miniature: a row per
+    method with the budget's passes, finite losses, and memory that holds what each method must: the copy's
+    weights, Adam's gradients and two moments, more than MeZO for every other method (MeZO keeps no state)."""
+    out = run("bench/finetune.py", "--task", "text", "--model", "gpt2-small", "--device", "cpu", "--quick",
+              "--out", str(tmp_path), timeout=300)
+    with open(tmp_path / "finetune_text_gpt2_small_cpu.csv", newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred", "adam"]
+    weights_mib = 4 * int(rows["mezo"]["parameters"]) / 2**20  # float32
+    for r in rows.values():
+        assert {r["device"], r["model"], r["seed"], r["diverged"]} == {"cpu", "gpt2-small-quick", "0", "False"}
+        assert float(r["passes"]) == 8  # the --quick budget in forward passes: MeZO's steps count two
+        assert all(0 < float(r[k]) < 20 for k in ("test_loss_start", "test_loss", "val_loss"))
+        assert float(r["ms_per_step"]) > 0
+        assert float(r["ms_per_pass"]) == pytest.approx(float(r["ms_per_step"]) / (2 if r["method"] == "mezo" else 1))
+        assert float(r["time_vs_mezo"]) == pytest.approx(float(r["ms_per_pass"]) / float(rows["mezo"]["ms_per_pass"]))
+        assert float(r["peak_mib"]) >= weights_mib
+        if r["method"] != "mezo":
+            assert float(r["memory_vs_mezo"]) > 1
+    assert float(rows["adam"]["peak_mib"]) >= 4 * weights_mib
+    assert float(rows["mezo"]["time_vs_mezo"]) == float(rows["mezo"]["memory_vs_mezo"]) == 1.0
+    assert len({r["test_loss_start"] for r in rows.values()}) == 1  # one pre-trained start for every method
+    assert float(rows["adam"]["test_loss"]) < float(rows["adam"]["test_loss_start"])
+    assert "| afgfw_centred |" in out
+
+
 @needs("transformers")
 def test_activity_layer_error_quick(tmp_path):
     """bench/activity_layer_error.py at its smallest: a row per parameter and tangent scale, each a finite

@@ -3,6 +3,7 @@ commands of scripts/gpu_check.sh (key, tests, models) as a dry run (GPU_CHECK_DR
 the sanitizer's script calling the set steps without an argument their schema had gained since, so that
 compute-sanitizer never reached a kernel; here that breaks CI instead.
 """
+import csv
 import importlib.util
 import os
 import re
@@ -60,6 +61,12 @@ def test_gpu_check_dry_run(fgfw_ops, phase, tmp_path):
             assert "== real models (GPT-2): exit 0" in summary, summary
             rows = (tmp_path / "real_models_gpu.csv").read_text().splitlines()
             assert any(",backprop_adamw," in row for row in rows), rows[:3]
+            # issue 31, item 4: the fine-tuning comparison's CPU miniature, every method's row
+            assert "== fine-tuning GPT-2 small: exit 0" in summary, summary
+            with open(tmp_path / "finetune_text_gpt2_small_cpu.csv", newline="") as f:
+                methods = [row["method"] for row in csv.DictReader(f)]
+            assert methods == ["mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred", "adam"], methods
+            assert "| adam |" in summary, summary
     else:
         for part in ("cuda", "triton"):
             log = (tmp_path / f"tests_{part}.log").read_text()
