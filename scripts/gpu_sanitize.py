@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import kernel_cases as kc  # noqa: E402
 import set_cases as sc  # noqa: E402
 
-WARP_BALL = 4096  # csrc/cuda/fw_step.cu kMaxWarpBall
+WARP_BALL = 4096  # csrc/cuda/l1_fw_step.cu kMaxWarpBall
 # Shapes through the optimizers: across a 4096 chunk, rows at the warp-ball limit and one over it, short odd rows,
 # one element, an empty tensor.
 SHAPES = [(4097,), (2, WARP_BALL), (2, WARP_BALL + 1), (5, 7), (1,), (0,)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: set up (venv, torch==2.14.1, build) and run the whole test suite.
+# The test command: set up (venv, torch==2.14.1, build), run the whole test suite, then the CPU speed gate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the CUDA kernels are compiled wherever nvcc is, GPU or not, so that a CUDA compile error fails the tests
@@ -43,4 +43,15 @@ parallel=(-n "$workers" --dist worksteal)
 status=0
 .venv/bin/python -m pytest -q -ra "${parallel[@]}" tests "$@" || status=$?
 echo "test.sh: tests ($(($(date +%s) - started)) s), exit $status"
+# The CPU speed gate (issue 29): each fused set's step (L1, L-infinity, L2, k-sparse) on one 1e7 tensor, one thread,
+# against a copy of its bytes timed beside it; one below its ratio to copy (bench/kernel_bench.py's CPU_GATE) fails
+# the command, so that a kernel that halves does not land unseen. After the tests, on a quieter machine; ~15 s.
+# The ratios are the CI VM's (bench/RESULTS.md, "The CPU speed gate"): FGFW_SPEED_GATE=0 skips the gate.
+if [ "${FGFW_SPEED_GATE:-1}" != 0 ]; then
+  gate_started=$(date +%s)
+  gate_status=0
+  .venv/bin/python bench/kernel_bench.py --quick || gate_status=$?
+  echo "test.sh: CPU speed gate ($(($(date +%s) - gate_started)) s), exit $gate_status"
+  [ "$status" != 0 ] || status=$gate_status
+fi
 exit $status

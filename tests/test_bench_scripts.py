@@ -265,3 +265,33 @@ def test_profile_lean_step_tf32_flag():
     float32 products were TF32 ones."""
     out = run("scripts/profile_lean_step.py", "--device", "cpu", "--tiny", "--tf32", "--rows", "3")
     assert "float32 (TF32 products)" in out and "aten op calls" in out
+
+
+def test_kernel_bench_cpu_speed_gate_logic(fgfw_ops, tmp_path):
+    """bench/kernel_bench.py --quick (CI's CPU speed gate, run by scripts/test.sh) on a tiny size, so that its logic is
+    checked whatever the timings: a row per fused set, each beside its own copy; --gate 0 passes; an impossible ratio
+    exits 1 naming every row; a per-set threshold fails that set's row alone; a bad threshold is a usage error."""
+    quick = ("bench/kernel_bench.py", "--quick", "--sizes", "1e4", "--min-time", "0", "--warmup", "1")
+    out = run(*quick, "--gate", "0", "--out", str(tmp_path / "gate.csv"))
+    with open(tmp_path / "gate.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    sets = ("l1", "linf", "lp", "ksparse")
+    assert sorted((r["set"], r["backend"]) for r in rows) == sorted((s, b) for s in sets for b in ("fused", "copy"))
+    assert all(r["mode"] == "fw_momentum" and int(r["params"]) == 10_000 for r in rows)
+    assert all(float(r["best_frac_copy"]) > 0 for r in rows)
+    assert "gate: passed (4 rows)" in out
+    for s in sets:
+        assert f"gate: ok   single {s} fw_momentum" in out
+
+    def gate(*thresholds):
+        command = [sys.executable, *quick, "--gate-retries", "0", "--out", str(tmp_path / "fail.csv"), *thresholds]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    failed = gate("--gate", "1e9")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    for s in sets:
+        assert f"gate: FAIL single {s} fw_momentum" in failed.stdout
+    assert "4 of 4 rows below" in failed.stderr
+    one = gate("--gate", "0", "--gate", "ksparse=1e9")
+    assert one.returncode == 1 and "gate: FAIL single ksparse" in one.stdout and "1 of 4 rows below" in one.stderr
+    assert gate("--gate", "l2=0.5").returncode == 2  # not a set the gate measures

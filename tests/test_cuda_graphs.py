@@ -139,7 +139,7 @@ def test_triton_tables_of_a_captured_step_outlive_the_layout_cache():
     than the cache keeps (64) afterwards must not free them (they would be reused by other allocations)."""
     if not _ops.backend_available("triton", torch.device("cuda")):
         pytest.skip("backend triton is not available here")
-    from fgfw.triton import fw_step as triton_fw_step
+    from fgfw.triton import l1_fw_step as triton_fw_step
     ops = torch.ops.fgfw_triton
     gen = torch.Generator().manual_seed(4)
     shapes, row_numel = [(20, 33), (70,), (3, 5000)], [33, 0, 0]

@@ -34,7 +34,7 @@ def make_group(shapes, dtype, *, device, **kwargs):
 def cuda_ops(fgfw_cuda_ops):
     """torch.ops.fgfw with a CUDA l1_fw_step_; skips where the extension was built without it."""
     if not torch._C._dispatch_has_kernel_for_dispatch_key("fgfw::l1_fw_step_", "CUDA"):
-        pytest.skip("fgfw._C has no CUDA l1_fw_step_ (built without csrc/cuda/fw_step.cu)")
+        pytest.skip("fgfw._C has no CUDA l1_fw_step_ (built without csrc/cuda/l1_fw_step.cu)")
     return fgfw_cuda_ops
 
 
@@ -414,7 +414,7 @@ def test_inf_and_nan_far_into_a_large_tensor(fgfw_ops, device, global_ball):
 # warp per ball; longer ones take the chunks kernel and the finalize, a long row being a ball of its own.
 # Radii that differ between the rows of a tensor are uploaded once and found again by their contents.
 
-WARP_BALL = 4096  # kMaxWarpBall in csrc/cuda/fw_step.cu
+WARP_BALL = 4096  # kMaxWarpBall in csrc/cuda/l1_fw_step.cu
 
 
 def num_row_balls(shapes, row_numel):

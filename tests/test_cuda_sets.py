@@ -1,8 +1,8 @@
-"""The compiled CUDA set steps (linf_fw_step_, lp_fw_step_, ksparse_fw_step_ in csrc/cuda/set_steps.cu) against
-fgfw.reference on identical inputs, through the shared checker tests/set_cases.py, plus what the checker does
-not cover: many launches' worth of entries, rows with radii of their own, balls of many slices, ties at the
-k-sparse threshold across slices, non-finite directions, huge magnitudes in the Lp norm, determinism, no host
-synchronisation and CUDA graph capture.
+"""The compiled CUDA set steps (linf_fw_step_, lp_fw_step_, ksparse_fw_step_ in csrc/cuda/linf_fw_step.cu,
+lp_fw_step.cu, ksparse_fw_step.cu) against fgfw.reference on identical inputs, through the shared checker
+tests/set_cases.py, plus what the checker does not cover: many launches' worth of entries, rows with radii of their
+own, balls of many slices, ties at the k-sparse threshold across slices, non-finite directions, huge magnitudes in the
+Lp norm, determinism, no host synchronisation and CUDA graph capture.
 
 Each test runs on the CPU kernels too, through the very same calls (the ops dispatch on the tensors' device), so
 that this file's calls and expected errors are exercised without a GPU; its cuda variant skips without one.
@@ -32,7 +32,7 @@ def test_set_steps_registered_for_cuda(fgfw_ops):
     if not _has_cuda_kernel("l1_fw_step_"):
         pytest.skip("fgfw._C was built without CUDA kernels (FGFW_CUDA=OFF, or no nvcc at build time)")
     missing = [op for op in OPS.values() if not _has_cuda_kernel(op)]
-    assert not missing, f"fgfw._C has CUDA kernels but none for {missing} (csrc/cuda/set_steps.cu not built?)"
+    assert not missing, f"fgfw._C has CUDA kernels but none for {missing} (csrc/cuda/{linf,lp,ksparse}_fw_step.cu not built?)"
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def cuda_set_ops(fgfw_cuda_ops):
     """torch.ops.fgfw with the CUDA set steps; skips without a GPU or where they were not built."""
     missing = [op for op in OPS.values() if not _has_cuda_kernel(op)]
     if missing:
-        pytest.skip(f"fgfw._C has no CUDA kernels for {missing} (built without csrc/cuda/set_steps.cu)")
+        pytest.skip(f"fgfw._C has no CUDA kernels for {missing} (built without csrc/cuda/{linf,lp,ksparse}_fw_step.cu)")
     return fgfw_cuda_ops
 
 

@@ -1,11 +1,11 @@
 """Register, spill and stack use of the CUDA kernels, as ptxas reports it: a check that needs nvcc
 but no GPU.
 
-csrc/cuda/fw_step.cu, tangent.cu, set_steps.cu, gradient_step.cu and all_finite.cu are compiled for sm_90,
-device code only, with -Xptxas -v. No kernel may spill or keep a stack frame (local memory), but for the set steps'
-Gaussian direction kernels' 32-byte frame (below), and each must fit the blocks
+csrc/cuda/l1_fw_step.cu, tangent.cu, linf_fw_step.cu, lp_fw_step.cu, ksparse_fw_step.cu, gradient_step.cu and
+nonfinite.cu are compiled for sm_90, device code only, with -Xptxas -v. No kernel may spill or keep a stack frame
+(local memory), but for the set steps' Gaussian direction kernels' 32-byte frame (below), and each must fit the blocks
 per SM that its __launch_bounds__ asks for, 256 threads a block: 4 for the float-accumulating
-chunk kernels (64 registers, kMinChunkBlocks in fw_step.cu), 3 for the double ones (80), 8 for the
+chunk kernels (64 registers, kMinChunkBlocks in l1_fw_step.cu), 3 for the double ones (80), 8 for the
 fill kernels (32, kBlocksPerSm in tangent.cu). The rows kernels run one-warp blocks, as many warps
 per SM as the chunk kernels (kMinRowBlocks: 32 or 24 blocks of 32 threads), so the same limits
 hold. About 15 s on two cores. Skips without nvcc or a CUDA build of torch.
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["csrc/cuda/fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/set_steps.cu", "csrc/cuda/gradient_step.cu",
-           "csrc/cuda/all_finite.cu"]
+SOURCES = ["csrc/cuda/l1_fw_step.cu", "csrc/cuda/tangent.cu", "csrc/cuda/linf_fw_step.cu", "csrc/cuda/lp_fw_step.cu",
+           "csrc/cuda/ksparse_fw_step.cu", "csrc/cuda/gradient_step.cu", "csrc/cuda/nonfinite.cu"]
 ARCH = "90"
 REGS_PER_SM = 65536
 THREADS = 256
@@ -110,7 +110,7 @@ def test_every_kernel_was_reported(ptxas_report):
 
 # The set steps' kernels that regenerate Gaussian tangents keep a 32-byte stack frame: sincosf's buffer for
 # the reduction of large arguments, a path never taken (the Box-Muller angle is below 2 pi), so it costs no
-# memory traffic. fw_step.cu's kernels have ptxas keep it in registers; these do not, at the same register
+# memory traffic. l1_fw_step.cu's kernels have ptxas keep it in registers; these do not, at the same register
 # budget. A frame of any other size, or in any other kernel, or any spill, fails.
 SINCOS_FRAME = 32
 SINCOS_FRAME_KERNELS = ("11linf_kernel", "16lp_reduce_kernel", "16lp_update_kernel", "24ksparse_direction_kernel")

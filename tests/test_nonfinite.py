@@ -301,7 +301,7 @@ def test_a_gpu_step_never_synchronises_and_raises_at_the_next_step(backend, nonf
     if not _ops.backend_available(backend, "cuda"):
         pytest.skip(f"backend {backend!r} is not available here")
     if nonfinite_op and not _ops._has_kernel("nonfinite", "CUDA"):
-        pytest.skip("fgfw._C has no CUDA nonfinite (built without csrc/cuda/all_finite.cu)")
+        pytest.skip("fgfw._C has no CUDA nonfinite (built without csrc/cuda/nonfinite.cu)")
     monkeypatch.setattr(_ops, "CUDA_NONFINITE_OP", nonfinite_op)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()

@@ -22,7 +22,7 @@ tl = pytest.importorskip("triton.language")
 
 from fgfw import reference  # noqa: E402
 from fgfw import triton as fgfw_triton  # noqa: E402
-from fgfw.triton import fw_step, tangent  # noqa: E402
+from fgfw.triton import l1_fw_step, tangent  # noqa: E402
 from fgfw.triton.tangent import _philox4x32_10  # noqa: E402
 
 if not fgfw_triton.is_available():
@@ -257,7 +257,7 @@ def test_step_tie_across_tensors_prefers_later_larger():
 
 def test_step_finalize_over_many_chunks(monkeypatch):
     """Balls with more slots than one finalize iteration, and more balls than one gap-sum iteration."""
-    monkeypatch.setattr(fw_step, "_RBLOCK", 2)
+    monkeypatch.setattr(l1_fw_step, "_RBLOCK", 2)
     values = [[0.0] * 5000 for _ in range(3)]
     values[0][4999], values[1][10], values[1][4500], values[2][4000] = 7.0, -7.0, 7.0, 6.0
     inputs = _tie_inputs(values)
@@ -390,8 +390,8 @@ def _layout_of(inputs, radii, row_numel):
     """The Triton step's layout of these inputs (which balls take which path)."""
     params, grads = inputs["params"], inputs["grads"]
     streams = (0,) * len(params) if grads else tuple(inputs["offsets"])
-    return fw_step._layout(params[0].device, tuple(p.numel() for p in params), tuple(row_numel), streams,
-                           fw_step._radii_token(radii), False, bool(grads))
+    return l1_fw_step._layout(params[0].device, tuple(p.numel() for p in params), tuple(row_numel), streams,
+                              l1_fw_step._radii_token(radii), False, bool(grads))
 
 
 def _winners(params, inputs, row_numel):
@@ -407,8 +407,8 @@ def _winners(params, inputs, row_numel):
 # Short rows, a 1-D tensor as one ball, a 3-D tensor with rows of 8, rows longer than one program holds
 # (the blocks and finalize path), an empty tensor with rows, rows of exactly one program's width with a
 # partly filled last program, and rows whose stream offsets are not multiples of 4 (the default offsets).
-ROW_SHAPES = [(6, 5), (13,), (3, 4, 2), (2, fw_step._MAX_ROW_SEG + 3), (0, 3), (3, 1024), (7, 3)]
-ROW_NUMEL = [5, 0, 8, fw_step._MAX_ROW_SEG + 3, 3, 1024, 3]
+ROW_SHAPES = [(6, 5), (13,), (3, 4, 2), (2, l1_fw_step._MAX_ROW_SEG + 3), (0, 3), (3, 1024), (7, 3)]
+ROW_NUMEL = [5, 0, 8, l1_fw_step._MAX_ROW_SEG + 3, 3, 1024, 3]
 
 
 def test_row_layout_takes_both_paths():
@@ -466,7 +466,7 @@ def test_step_row_ties_lowest_index_within_each_row_wins():
              [1.0, float("inf"), float("nan"), -5.0],  # index 2 (NaN)
              [0.0, 0.0, 0.0, 0.0],  # index 0, sign 0: unchanged
              [-1.0, 4.0, 0.5, -4.0]]  # index 1
-    n_long = fw_step._MAX_ROW_SEG + 100
+    n_long = l1_fw_step._MAX_ROW_SEG + 100
     long = [[0.0] * n_long for _ in range(2)]
     long[0][n_long - 1], long[0][5], long[0][n_long - 50] = 9.0, -9.0, 9.0  # index 5: a tie across blocks
     long[1][10], long[1][n_long - 10], long[1][n_long - 8] = 1.5, -2.0, 2.0  # index n_long - 10, in the last block
@@ -512,8 +512,8 @@ def test_step_row_balls_small_mlp_layout():
 
 def test_step_row_balls_gap_sums_over_many_chunks(monkeypatch):
     """More balls than one gap-sum iteration: every ball's share is summed, in order."""
-    monkeypatch.setattr(fw_step, "_RBLOCK", 4)
-    shapes, row_numel = [(9, 3), (5,), (2, fw_step._MAX_ROW_SEG + 1)], [3, 0, fw_step._MAX_ROW_SEG + 1]
+    monkeypatch.setattr(l1_fw_step, "_RBLOCK", 4)
+    shapes, row_numel = [(9, 3), (5,), (2, l1_fw_step._MAX_ROW_SEG + 1)], [3, 0, l1_fw_step._MAX_ROW_SEG + 1]
     inputs = _make_shaped_inputs(shapes, torch.float32, momentum=True, grads=True, gen_seed=9)
     ref, got = _run_both_rows(inputs, _row_radii(shapes, row_numel), row_numel)
     _assert_same_step(ref, got, exact=True)
@@ -556,8 +556,8 @@ def test_no_kernel_global_is_a_nan():
     the kernel, and NaN never equals itself: a NaN global constexpr made every launch after the first raise
     "Global variable ... has changed" (the set steps' _NAN, seen on an H200; the interpreter never checks).
     Every module-level constexpr of fgfw.triton must equal itself."""
-    from fgfw.triton import ops, set_steps
-    for module in (fw_step, set_steps, tangent, ops):
+    from fgfw.triton import ksparse_fw_step, linf_fw_step, lp_fw_step, ops, set_step
+    for module in (l1_fw_step, set_step, linf_fw_step, lp_fw_step, ksparse_fw_step, tangent, ops):
         for name, value in vars(module).items():
             if isinstance(value, tl.constexpr):
                 assert value.value == value.value, f"{module.__name__}.{name} = {value.value!r} never equals itself"

@@ -1,7 +1,8 @@
-"""The Triton set steps (fgfw.triton.set_steps: L-infinity balls, Lp balls, k-sparse polytopes) against the spec,
-fgfw.reference, through the checker that every backend shares (tests/set_cases.py); then what that checker does
-not reach: stream offsets off the Philox call boundaries, balls of many chunks, NaN and zero directions, the
-custom ops. The kernels compiled for sm_90 without a GPU: tests/test_triton_compile.py (fgfw.triton.aot).
+"""The Triton set steps (fgfw.triton.linf_fw_step, lp_fw_step, ksparse_fw_step: L-infinity balls, Lp balls,
+k-sparse polytopes) against the spec, fgfw.reference, through the checker that every backend shares
+(tests/set_cases.py); then what that checker does not reach: stream offsets off the Philox call boundaries, balls of
+many chunks, NaN and zero directions, the custom ops. The kernels compiled for sm_90 without a GPU:
+tests/test_triton_compile.py (fgfw.triton.aot).
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (as tests/test_triton.py), so the shared
 cases are covered on a subset of their product: every set and scope with one source, the other sources and
@@ -27,11 +28,11 @@ if not fgfw_triton.is_available():
     pytest.skip("Triton kernels cannot run here: no CUDA device, and fgfw.triton was imported before "
                 "TRITON_INTERPRET=1 was set", allow_module_level=True)
 
-from fgfw.triton import set_steps  # noqa: E402
+from fgfw.triton import ksparse_fw_step, linf_fw_step, lp_fw_step, set_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GAUSSIAN, RADEMACHER = reference.GAUSSIAN, reference.RADEMACHER
-STEPS = {"linf": set_steps.linf_fw_step_, "lp": set_steps.lp_fw_step_, "ksparse": set_steps.ksparse_fw_step_}
+STEPS = {"linf": linf_fw_step.linf_fw_step_, "lp": lp_fw_step.lp_fw_step_, "ksparse": ksparse_fw_step.ksparse_fw_step_}
 # One parameter of each set for the tests that sweep something else.
 ONE_OF_EACH = [("linf", None), ("lp", 1.5), ("ksparse", 3)]
 
@@ -73,7 +74,7 @@ def test_float64_global_ball_matches_reference(kind, param):
 
 
 def test_ksparse_breaks_ties_by_index_as_the_reference():
-    set_cases.check_ksparse_selection_exact(set_steps.ksparse_fw_step_, DEVICE)
+    set_cases.check_ksparse_selection_exact(ksparse_fw_step.ksparse_fw_step_, DEVICE)
 
 
 # inf / inf in the interpreter's numpy: the spec's NaN
@@ -147,7 +148,7 @@ def test_lp_norm_neither_overflows_nor_underflows_across_chunks():
 
 
 def test_lp_step_of_directions_near_the_dtype_limits():
-    set_cases.check_lp_directions_near_the_limits(set_steps.lp_fw_step_, DEVICE)
+    set_cases.check_lp_directions_near_the_limits(lp_fw_step.lp_fw_step_, DEVICE)
 
 
 def test_zero_and_nan_directions_as_the_reference():
@@ -188,16 +189,16 @@ def test_repeated_steps_are_deterministic_and_reuse_the_layout():
     for _ in range(2):
         params = [_randn(3000, seed=12) * 1e-2, _randn(9, 33, seed=13) * 1e-2]
         gap = torch.zeros((), dtype=torch.float64, device=DEVICE)
-        for step, extra in ((set_steps.lp_fw_step_, dict(p=3.0, scales=[])),
-                            (set_steps.ksparse_fw_step_, dict(k=4, scales=[])),
-                            (set_steps.linf_fw_step_, {})):
-            misses = set_steps._plan.cache_info().misses
+        for step, extra in ((lp_fw_step.lp_fw_step_, dict(p=3.0, scales=[])),
+                            (ksparse_fw_step.ksparse_fw_step_, dict(k=4, scales=[])),
+                            (linf_fw_step.linf_fw_step_, {})):
+            misses = set_step._plan.cache_info().misses
             step(params, [], [], torch.tensor([2.0, 0.1, 0.0], dtype=torch.float64, device=DEVICE),
                  torch.tensor([1.0], dtype=torch.float64, device=DEVICE), [1.0] + [0.5] * 9, False, [0, 3000], 9,
                  GAUSSIAN, gap, [0, 33], **extra)
             results.append((params[0].clone(), params[1].clone(), float(gap)))
-        assert set_steps._plan.cache_info().misses <= misses + 1
-    assert set_steps._plan.cache_info().hits >= 3
+        assert set_step._plan.cache_info().misses <= misses + 1
+    assert set_step._plan.cache_info().hits >= 3
     for (a0, a1, gap_a), (b0, b1, gap_b) in zip(results[:3], results[3:]):
         assert torch.equal(a0, b0) and torch.equal(a1, b1) and gap_a == gap_b
 
@@ -224,9 +225,9 @@ def test_rejects_what_the_reference_rejects():
                                         torch.zeros((), dtype=torch.float64, device=DEVICE), row_numel)
     for p in (1.0, 0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="p must satisfy"):
-            set_steps.lp_fw_step_(*args([1.0]), p=p)
+            lp_fw_step.lp_fw_step_(*args([1.0]), p=p)
     with pytest.raises(ValueError, match="k must be >= 1"):
-        set_steps.ksparse_fw_step_(*args([1.0]), k=0)
+        ksparse_fw_step.ksparse_fw_step_(*args([1.0]), k=0)
     for step in STEPS.values():
         with pytest.raises(ValueError, match="radii"):
             step(*args([-1.0]))
@@ -253,7 +254,7 @@ def test_custom_ops_route_from_the_optimizers_entry(kind, param):
                 [33])
         extra = set_cases.set_extra(kind, param)
         if call == "launcher":
-            getattr(set_steps, op)(*args, **extra)
+            STEPS[kind](*args, **extra)
         elif call == "op":
             getattr(torch.ops.fgfw_triton, op)(*args, **extra)
         else:
@@ -352,8 +353,8 @@ def test_a_skipped_step_without_elements_writes_a_nan_gap():
 
 def test_a_schedule_of_another_length_is_refused():
     params = [torch.zeros(6, device=DEVICE)]
-    for step, extra in ((set_steps.linf_fw_step_, {}), (set_steps.lp_fw_step_, dict(p=2.0, scales=[])),
-                        (set_steps.ksparse_fw_step_, dict(k=2, scales=[]))):
+    for step, extra in ((linf_fw_step.linf_fw_step_, {}), (lp_fw_step.lp_fw_step_, dict(p=2.0, scales=[])),
+                        (ksparse_fw_step.ksparse_fw_step_, dict(k=2, scales=[]))):
         with pytest.raises(ValueError, match=r"\(step, alpha, gamma\) or \(step, alpha, gamma, skip\)"):
             step(params, [], [torch.ones(6, device=DEVICE)], torch.zeros(5, dtype=torch.float64, device=DEVICE),
                  torch.zeros(0, dtype=torch.float64), [1.0], False, [], 0, RADEMACHER,

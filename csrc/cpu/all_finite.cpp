@@ -8,7 +8,6 @@
 // floating-point sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -17,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "all_finite.h"
 
 namespace fgfw {
 namespace {
@@ -54,6 +55,8 @@ bool tensor_has_nonfinite(const at::Tensor& t, bits_t exponent) {
   return found.load();
 }
 
+}  // namespace
+
 bool all_finite_cpu(at::TensorList tensors) {
   for (size_t t = 0; t < tensors.size(); ++t) {
     TORCH_CHECK(tensors[t].device().is_cpu(), "all_finite: tensors[", t, "] is on ", tensors[t].device(),
@@ -76,17 +79,8 @@ bool all_finite_cpu(at::TensorList tensors) {
   return true;
 }
 
-// nonfinite: the same verdict, negated, as a 0-dim bool tensor (the skip flag of a step).
-at::Tensor nonfinite_cpu(at::TensorList tensors) {
-  TORCH_CHECK(!tensors.empty(), "nonfinite: tensors must not be empty (the verdict's device comes from them)");
-  return at::scalar_tensor(!all_finite_cpu(tensors), at::TensorOptions().dtype(at::kBool));
-}
-
-}  // namespace
-
 TORCH_LIBRARY_IMPL(fgfw, CPU, m) {
   m.impl("all_finite", &all_finite_cpu);
-  m.impl("nonfinite", &nonfinite_cpu);
 }
 
 }  // namespace fgfw

@@ -1,7 +1,7 @@
-// The one pass shared by the CPU Frank-Wolfe steps of every set (fw_step.cpp: the L1 ball; set_steps.cpp: the
-// L-infinity, Lp and k-sparse sets): the step's arguments unpacked (StepArgs, run_fw_step), the direction
-// regenerated block by block (BlockDirection), the momentum and the scaling of theta, the reductions in fixed
-// segments whatever the thread count (Segment, Layout). The arithmetic follows python/fgfw/reference.py operation
+// The one pass shared by the CPU Frank-Wolfe steps of every set (l1_fw_step.cpp: the L1 ball; linf_fw_step.cpp,
+// lp_fw_step.cpp, ksparse_fw_step.cpp with set_step.h: the L-infinity, Lp and k-sparse sets): the step's arguments
+// unpacked (StepArgs, run_fw_step), the direction regenerated block by block (BlockDirection), the momentum and the
+// scaling of theta, the reductions in fixed segments whatever the thread count (Segment, Layout). The arithmetic follows python/fgfw/reference.py operation
 // by operation (same roundings, no FMA). Design: docs/fused_step.md, "CPU kernel".
 //
 // Speed: the pass runs in blocks of kBlock elements through small loops the compiler vectorises

@@ -1,4 +1,4 @@
-// What the CUDA steps (fw_step.cu, set_steps.cu) share to compute a direction: explicitly rounded
+// What the CUDA steps (l1_fw_step.cu, set_step.cuh) share to compute a direction: explicitly rounded
 // arithmetic (nvcc must not contract a product and a sum into an FMA: the kernels mirror reference.py's
 // roundings) and the forward gradient of one Philox call, regenerated in registers.
 #pragma once

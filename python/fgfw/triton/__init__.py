@@ -17,7 +17,7 @@ except ImportError:
 __all__ = ["is_available"]
 if triton is not None:
     from . import ops  # noqa: F401  (registers torch.ops.fgfw_triton)
-    from .fw_step import l1_fw_step_
+    from .l1_fw_step import l1_fw_step_
     from .gradient_step import gradient_step_
     from .tangent import INTERPRET, fill_tangent_, fill_tangent_at_step_
 

@@ -39,7 +39,7 @@ import torch
 import triton
 
 from .. import reference
-from . import attention_jvp, fw_step, gradient_step, set_steps, tangent
+from . import attention_jvp, gradient_step, ksparse_fw_step, l1_fw_step, linf_fw_step, lp_fw_step, tangent
 
 CAPABILITY = 90  # H100 / H200
 # sm_90 has 64K 32-bit registers per SM: up to 128 per thread keeps two 8-warp step programs on an SM at once,
@@ -54,7 +54,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DIRECTIONS = (("backprop", True, False, False), ("backprop_momentum", True, False, True),
               ("rademacher", False, False, False), ("rademacher_momentum", False, False, True),
               ("gaussian", False, True, False), ("gaussian_momentum", False, True, True))
-# One p per branch of the Lp kernels' powers (set_steps._pow of q, q - 1 and 1/q): p = 2 (q = 2, q - 1 = 1,
+# One p per branch of the Lp kernels' powers (set_step._pow of q, q - 1 and 1/q): p = 2 (q = 2, q - 1 = 1,
 # 1/q = 1/2), p = 3 (q - 1 = 1/2), p = 1.5 (q - 1 = 2), p = 1.01 (the general exp-log power everywhere).
 LP_EXPONENTS = (2.0, 3.0, 1.5, 1.01)
 
@@ -164,10 +164,10 @@ def _step_args(shapes: list[tuple[int, int]], dtype: torch.dtype, direction: tup
     return args
 
 
-# Row lengths whose tiles take every width the rows kernels compile (SEG = 4 ... fw_step._MAX_ROW_SEG, one ball
+# Row lengths whose tiles take every width the rows kernels compile (SEG = 4 ... l1_fw_step._MAX_ROW_SEG, one ball
 # per tile row) and one longer than a tile (the blocks path, one ball per row), two rows each. Aligned: lengths
 # that are multiples of 4 (full tile rows); not aligned: one less (a lead and a masked tail in every row).
-SEGS = tuple(4 << i for i in range((fw_step._MAX_ROW_SEG // 4).bit_length()))
+SEGS = tuple(4 << i for i in range((l1_fw_step._MAX_ROW_SEG // 4).bit_length()))
 LONG = "long"
 
 
@@ -304,13 +304,13 @@ def _attention(dtype: torch.dtype, head_dim: int, causal: bool, tangents: str) -
 
 def _launch(kind: str, args: Callable[[], dict]) -> None:
     if kind == "l1":
-        fw_step.l1_fw_step_(**args())
+        l1_fw_step.l1_fw_step_(**args())
     elif kind == "linf":
-        set_steps.linf_fw_step_(**args())
+        linf_fw_step.linf_fw_step_(**args())
     elif kind == "ksparse":
-        _set_step(set_steps.ksparse_fw_step_, args(), k=3)
+        _set_step(ksparse_fw_step.ksparse_fw_step_, args(), k=3)
     else:
-        _set_step(set_steps.lp_fw_step_, args(), p=float(kind.removeprefix("lp")))
+        _set_step(lp_fw_step.lp_fw_step_, args(), p=float(kind.removeprefix("lp")))
 
 
 def _gradient(dtype: torch.dtype, momentum: bool, aligned: bool, skippable: bool) -> None:
@@ -394,7 +394,7 @@ def philox_bound(kernel: dict) -> int | None:
 
 def _known_repeat(kernel: dict) -> bool:
     """The one known case of Philox work repeated across threads: Rademacher tangents on tiles of one call a thread
-    (16 warps: the rows kernel, fw_step._rows_warps; the float64 blocks kernel; the Lp passes), where Triton's
+    (16 warps: the rows kernel, l1_fw_step._rows_warps; the float64 blocks kernel; the Lp passes), where Triton's
     layout passes recompute part of each call in a second layout: 36 multiplies a thread for one call, against 20.
     Two calls a thread, on half the warps, spilled there instead; Gaussian tangents on the same tiles make each
     call once."""

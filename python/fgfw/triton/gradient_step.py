@@ -8,12 +8,12 @@ on its own (enable_fp_fusion=False: no FMA contraction), in the reference's orde
     with momentum:  v <- RN(RN(keep v) + RN(gamma g)),  d = v;  else d = g
     theta <- RN(theta - RN(alpha d))
 
-One launch over every tensor of the call, as fw_step.py's step: an int64 table with one row of _STRIDE columns per
+One launch over every tensor of the call, as l1_fw_step.py's step: an int64 table with one row of _STRIDE columns per
 tensor (the param, momentum and direction addresses, its numel and its first block), and an int32 map from each
 block of BLOCK elements to its tensor's row. The map and the numels are laid out once per list of sizes
 (``_layout``), the addresses once per list of tensors (``_table``), both cached and uploaded with no host
 synchronisation, so that a step on the same tensors uploads nothing and can be captured in a CUDA graph (warm up
-first; a table a capture replays is held for good: fw_step.hold_while_capturing).
+first; a table a capture replays is held for good: l1_fw_step.hold_while_capturing).
 
 A skipped step (a schedule of 4 elements whose skip, schedule[3], is not 0: reference.schedule_values) is read by
 the kernel on the device (SKIPPABLE: the schedule has 4 elements): every program returns at once and no bit of
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fw_step import _pointer, check_params_where_triton_runs, check_schedule, hold_while_capturing, skippable
+from .l1_fw_step import _pointer, check_params_where_triton_runs, check_schedule, hold_while_capturing, skippable
 from .tangent import TL_DTYPES, device_of
 
 # The table: one row of _STRIDE int64 columns per tensor.
@@ -40,7 +40,7 @@ _PARAM, _MOMENTUM, _GRAD, _NUMEL, _FIRST_BLOCK = (tl.constexpr(c) for c in range
 # Elements per program: 8 a thread on 8 warps (two 16-byte accesses of float32), as the L1 step's blocks.
 _BLOCK = 2048
 _WARPS = 8
-# The L1 step's register ceiling (fw_step._MAX_REGISTERS); this kernel needs far fewer.
+# The L1 step's register ceiling (l1_fw_step._MAX_REGISTERS); this kernel needs far fewer.
 _MAX_REGISTERS = 128
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fw_step, gradient_step, set_steps, tangent
+from . import gradient_step, ksparse_fw_step, l1_fw_step, linf_fw_step, lp_fw_step, tangent
 
 NAMESPACE = "fgfw_triton"
 
@@ -47,8 +47,8 @@ def l1_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads:
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                 offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int]) -> None:
     """``fgfw.triton.l1_fw_step_`` (the fused L1-ball Frank-Wolfe step) as a custom op."""
-    fw_step.l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                        distribution, gap, row_numel)
+    l1_fw_step.l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                           distribution, gap, row_numel)
 
 
 @l1_fw_step_.register_fake
@@ -61,9 +61,9 @@ def _(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, off
 def linf_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
                   schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                   offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int]) -> None:
-    """``fgfw.triton.set_steps.linf_fw_step_`` (the fused L-infinity-ball Frank-Wolfe step) as a custom op."""
-    set_steps.linf_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                            distribution, gap, row_numel)
+    """``fgfw.triton.linf_fw_step.linf_fw_step_`` (the fused L-infinity-ball Frank-Wolfe step) as a custom op."""
+    linf_fw_step.linf_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                               distribution, gap, row_numel)
 
 
 @linf_fw_step_.register_fake
@@ -79,9 +79,9 @@ def lp_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads:
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                 offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
                 p: float, scales: list[torch.Tensor]) -> None:
-    """``fgfw.triton.set_steps.lp_fw_step_`` (the fused Lp-ball Frank-Wolfe step, 1 < p < inf) as a custom op."""
-    set_steps.lp_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-                          distribution, gap, row_numel, p, scales)
+    """``fgfw.triton.lp_fw_step.lp_fw_step_`` (the fused Lp-ball Frank-Wolfe step, 1 < p < inf) as a custom op."""
+    lp_fw_step.lp_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
+                           distribution, gap, row_numel, p, scales)
 
 
 @lp_fw_step_.register_fake
@@ -95,9 +95,10 @@ def ksparse_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], g
                      schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
                      offsets: list[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: list[int],
                      k: int, scales: list[torch.Tensor]) -> None:
-    """``fgfw.triton.set_steps.ksparse_fw_step_`` (the fused k-sparse-polytope Frank-Wolfe step) as a custom op."""
-    set_steps.ksparse_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
-                               seed, distribution, gap, row_numel, k, scales)
+    """``fgfw.triton.ksparse_fw_step.ksparse_fw_step_`` (the fused k-sparse-polytope Frank-Wolfe step) as a custom
+    op."""
+    ksparse_fw_step.ksparse_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
+                                     seed, distribution, gap, row_numel, k, scales)
 
 
 @ksparse_fw_step_.register_fake

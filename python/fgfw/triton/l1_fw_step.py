@@ -84,7 +84,7 @@ _ROW_NUMEL, _BALLS, _FIRST_PROGRAM, _FIRST_BALL = (tl.constexpr(c) for c in (1, 
 # 8 warps: 8 elements per thread, about 64 registers for float32 (126 for float64) on sm_90, so
 # several blocks fit on an SM; 4 warps doubled the registers per thread.
 _BLOCK_WARPS = 8
-# A register ceiling for the step kernels (set_steps.py sets the same): without one, ptxas kept the kernels that
+# A register ceiling for the step kernels (set_step.py sets the same): without one, ptxas kept the kernels that
 # call libdevice (the Gaussian tangent's log, sin and cos) to 64-80 registers and spilled around the calls (Triton
 # 3.6 and 3.8 on sm_90, python -m fgfw.triton.aot); 128 still fits two 8-warp programs on an SM.
 _MAX_REGISTERS = 128

@@ -1,27 +1,30 @@
-"""The fused Frank-Wolfe steps over L-infinity balls, Lp balls and k-sparse polytopes in Triton: the Triton
-backend of reference.linf_fw_step_, reference.lp_fw_step_ and reference.ksparse_fw_step_.
+"""What the Triton steps over L-infinity balls, Lp balls and k-sparse polytopes share (linf_fw_step.py, lp_fw_step.py,
+ksparse_fw_step.py: the Triton backend of reference.linf_fw_step_, reference.lp_fw_step_ and
+reference.ksparse_fw_step_): the tiles and their plan, the reduction, update and norm feedback passes of every set,
+and the step that launches them, each op giving what it computes between the passes (the Lp norms, the k-sparse
+selection).
 
 Design: docs/set_steps.md ("Triton kernels"). The steps share the L1 step's arguments, directions,
-momentum, balls, radii and update (fw_step.py, reference.fw_step_); they differ in the vertex s of a ball:
+momentum, balls, radii and update (l1_fw_step.py, reference.fw_step_); they differ in the vertex s of a ball:
 
 * L-infinity: s = -r sign(d), elementwise. One pass: ``_set_update_kernel``.
 * Lp, 1 < p < inf: s_i = -r sign(d_i) (x_i / ||x||_q)^(q-1) with x = |d| / max|d| (reference.lp_vertex).
   A reduction pass (``_set_reduce_kernel``) writes each tile row's max|d| m and sum (|d| / m)^q;
-  ``_lp_finalize_kernel`` combines a ball's rows as M = max m and S = sum S_row (m / M)^q (no x^q can
+  ``_lp_finalize_kernel`` (lp_fw_step.py) combines a ball's rows as M = max m and S = sum S_row (m / M)^q (no x^q can
   overflow: every ratio is <= 1) and writes M and ||x||_q = S^(1/q); the update pass reads them.
 * k-sparse: s = -r sign(d) on the k largest |d| of a ball (ties: lowest index; NaN largest), 0 elsewhere.
   The reduction pass writes every element's key, the bits of |d| in the compute dtype (the order of |d|,
   every NaN above +inf, as reference.magnitude_order). Torch ops on that workspace find each ball's k-th
-  largest key T and the position of the last tie with T that is taken (``_select``); the update pass
+  largest key T and the position of the last tie with T that is taken (``_select``, ksparse_fw_step.py); the update pass
   takes an element when its key is above T, or equal to T at a position up to that one.
 
-Tiles. Each pass launches once per tensor (simpler than fw_step.py's one launch over a table of all
+Tiles. Each pass launches once per tensor (simpler than l1_fw_step.py's one launch over a table of all
 tensors, at the price of a launch per tensor). A tensor is n_balls balls of n elements (its rows, the
 whole tensor, or its part of the global ball); a [BALLS, SEG] tile holds chunk c of BALLS consecutive
 balls, one per tile row (SEG = a power of two >= n + lead when that fits BLOCK, so short rows share a
 program; otherwise SEG = BLOCK, one ball per tile and several chunks). A tile row starts on a Philox call
 boundary: ball element e sits at column e + lead - c SEG, lead = the stream index of the ball's first
-element % 4 (0 with gradients), so the forward gradient is fw_step.py's [BALLS, SEG] tile of whole calls.
+element % 4 (0 with gradients), so the forward gradient is l1_fw_step.py's [BALLS, SEG] tile of whole calls.
 Each (ball, chunk) owns one partial slot: the Lp partials and the share of the gap, summed at the end
 in slot order (tensor, ball, chunk), so every result is deterministic.
 
@@ -30,7 +33,7 @@ offsets, radii) and cached (``_plan``); a step allocates its workspaces, launche
 device data on the host.
 
 A skipped step (a schedule of 4 elements whose skip, schedule[3], is not 0: reference.schedule_values) is read
-by every kernel on the device, first thing (SKIPPABLE: the schedule has 4 elements), as in fw_step.py: the
+by every kernel on the device, first thing (SKIPPABLE: the schedule has 4 elements), as in l1_fw_step.py: the
 reduction, Lp finalize, update and feedback passes return at once, writing nothing (no momentum, parameter,
 workspace or scale), and the gap sum writes NaN into the gap without reading the shares. The k-sparse selection
 between the passes (torch ops) still runs, on a key workspace the skipped reduction did not write; what it
@@ -41,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
 
 import torch
 import triton
@@ -50,8 +52,8 @@ import triton.language as tl
 from .. import reference
 from .feasibility import (_INF, _SUM_CAP, _capped_sum, _dense_update, _next_norm_scale, _norm_units, _saturating_add,
                           _toward_zero, units_factor)
-from .fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _nan_f64, _Radii, _radii_token,
-                      _step_factors, empty_gap_, hold_while_capturing, skippable)
+from .l1_fw_step import (_checked_row_numel, _forward_gradient_rows, _gap_sum_kernel, _nan_f64, _Radii,
+                         _radii_token, _step_factors, empty_gap_, hold_while_capturing, skippable)
 from .tangent import BLOCK, TL_DTYPES, device_of, key_words, to_storage
 
 # The step's set (KIND): plain ints on the host, constexprs in the kernels.
@@ -68,11 +70,8 @@ _ELEMENTS_PER_THREAD = {LINF: 8, LP: 4, KSPARSE: 8}
 # in the Gaussian tangent) to 48-80 registers on sm_90 and spilled around the calls; with it they use at
 # most 93 and spill nothing (tests/test_triton_sets.py, Triton 3.6 and 3.8).
 _MAX_REGISTERS = 128
-# Partial slots reduced per step by the gap sum and the feedback.
+# Partial slots reduced per step by the gap sum and the feedback (the Lp finalize's: lp_fw_step._FINALIZE_BLOCK).
 _RBLOCK = 1024
-# ... and by the Lp finalize, whose powers call libdevice's exp and log: a [RB, CB] tile of 1024 float64 on 4 warps
-# spilled 48-96 bytes on sm_90 at the 128-register ceiling (python -m fgfw.triton.aot); 256 (2 per thread) do not.
-_FINALIZE_BLOCK = 256
 
 
 @triton.jit
@@ -186,40 +185,6 @@ def _set_reduce_kernel(momentum, grad, schedule, tangent_coeffs, part_max, part_
         tl.store(part_sum + slot, row_sum, mask=live)
     else:
         tl.store(keys + key_base + position, _magnitude_key(d, COMPUTE_DTYPE), mask=valid)
-
-
-@triton.jit(do_not_specialize=["n_balls", "chunks", "slot_base", "stat_base"])
-def _lp_finalize_kernel(part_max, part_sum, ball_max, ball_norm, schedule, n_balls, chunks, slot_base, stat_base,
-                        Q: tl.constexpr, INV_Q: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                        SKIPPABLE: tl.constexpr):
-    """Per ball (chunks slots from slot_base + ball chunks): M = max m and ||x||_q = (sum S (m / M)^q)^(1/q),
-    0 for an all-zero ball (the vertex is 0 there), NaN when a |d| is NaN. Nothing on a skipped step."""
-    if SKIPPABLE:
-        if tl.load(schedule + 3) != 0:
-            return
-    ball = tl.program_id(0) * RB + tl.arange(0, RB)
-    live = ball < n_balls
-    first = slot_base + ball.to(tl.int64) * chunks
-    top = tl.zeros([RB], dtype=tl.float64)
-    any_nan = tl.zeros([RB], dtype=tl.int32)
-    for c in range(0, chunks, CB):
-        j = c + tl.arange(0, CB)
-        mask = live[:, None] & (j < chunks)[None, :]
-        m = tl.load(part_max + first[:, None] + j[None, :], mask=mask, other=0.0)
-        any_nan = tl.maximum(any_nan, tl.max((m != m).to(tl.int32), axis=1))
-        top = tl.maximum(top, tl.max(tl.where(m != m, 0.0, m), axis=1))
-    top = tl.where(any_nan != 0, _nan_f64(), top)
-    scale = tl.where(top > 0, top, 1.0)
-    total = tl.zeros([RB], dtype=tl.float64)
-    for c in range(0, chunks, CB):
-        j = c + tl.arange(0, CB)
-        mask = live[:, None] & (j < chunks)[None, :]
-        m = tl.load(part_max + first[:, None] + j[None, :], mask=mask, other=0.0)
-        s = tl.load(part_sum + first[:, None] + j[None, :], mask=mask, other=0.0)
-        total += tl.sum(tl.where(mask, s * _pow(m / scale[:, None], Q), 0.0), axis=1)
-    norm = tl.where(top == 0, 0.0, _pow(total, INV_Q))
-    tl.store(ball_max + stat_base + ball, top, mask=live)
-    tl.store(ball_norm + stat_base + ball, norm, mask=live)
 
 
 @triton.jit(do_not_specialize=_BOOKKEEPING + ["slot_base", "ball_base", "stat_base", "pos_base", "key_lo", "key_hi",
@@ -433,25 +398,6 @@ def _plan(device: torch.device, numels: tuple, row_numel: tuple, streams: tuple,
                  n_stats=1 if global_ball and live else sum(b for _, _, b, _ in live),
                  n_keys=sum(n * b for _, n, b, _ in live), finalize=finalize, classes=tuple(classes))
 
-
-def _select(keys: torch.Tensor, classes: tuple, k: int, n_stats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold, last_tie) per k-sparse ball, on the device, with no host synchronisation: the k-th largest
-    key T of the ball, and the position of the last element taken among those equal to T (the lowest
-    positions win the ties: k minus the count above T of them)."""
-    thresholds = torch.empty(n_stats, dtype=keys.dtype, device=keys.device)
-    last_ties = torch.empty(n_stats, dtype=torch.int64, device=keys.device)
-    for key_start, balls, n, stat_start in classes:
-        ball_keys = keys[key_start:key_start + balls * n].view(balls, n)
-        kk = min(k, n)
-        threshold = ball_keys.topk(kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-        ties_taken = kk - (ball_keys > threshold).sum(dim=1, keepdim=True)  # >= 1
-        # the ties before the last one taken: its position
-        last_tie = ((ball_keys == threshold).cumsum(dim=1, dtype=torch.int32) < ties_taken).sum(dim=1)
-        thresholds[stat_start:stat_start + balls] = threshold.view(-1)
-        last_ties[stat_start:stat_start + balls] = last_tie
-    return thresholds, last_ties
-
-
 @functools.lru_cache(maxsize=64)
 def _units_factors(device: torch.device, radii_token: _Radii, bound_times: float) -> torch.Tensor:
     """Each ball's units factor of the grid of bound_times r (the k-sparse step's L1 bound k r), on the device."""
@@ -479,7 +425,11 @@ def _check_scales(params, scales, global_ball: bool, row_numel: tuple) -> None:
 
 
 def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, p: float = 2.0, k: int = 1, scales=()) -> None:
+              distribution, gap, row_numel, p: float = 2.0, k: int = 1, scales=(), statistics=None) -> None:
+    """The step of the set ``kind`` (LINF, LP, KSPARSE). The Lp and k-sparse steps pass ``statistics(plan, part_max,
+    part_sum, keys, schedule, skip) -> (stat_a, stat_b)``, run on the device between the reduction and the update
+    passes: each ball's (max|d|, ||x||_q) (lp_fw_step.py), or (threshold key, last position taken at it)
+    (ksparse_fw_step.py)."""
     row_numel = _checked_row_numel(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets,
                                    distribution, gap, row_numel)
     _check_scales(params, scales, bool(global_ball), row_numel)
@@ -528,18 +478,7 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                     *tensors_of(tp), schedule, coeffs, part_max, part_sum, keys, tp.n_balls, tp.n, tp.stream_base,
                     tp.chunks, tp.slot_base, tp.key_base, key_lo, key_hi, n_tangents, KIND=kind, NO_LEAD=tp.no_lead,
                     BALLS=tp.balls, SEG=tp.seg, Q=q, num_warps=warps(tp), **flags)
-            if kind == LP:
-                stat_a = torch.empty(plan.n_stats, dtype=torch.float64, device=device)
-                stat_b = torch.empty_like(stat_a)
-                for slot_base, balls, chunks, stat_base in plan.finalize:
-                    cb = min(_FINALIZE_BLOCK, triton.next_power_of_2(chunks))
-                    rb = _FINALIZE_BLOCK // cb
-                    _lp_finalize_kernel[(triton.cdiv(balls, rb),)](
-                        part_max, part_sum, stat_a, stat_b, schedule, balls, chunks, slot_base, stat_base, Q=q,
-                        INV_Q=1.0 / q, RB=rb, CB=cb, SKIPPABLE=skip, num_warps=4, maxnreg=_MAX_REGISTERS,
-                        enable_fp_fusion=False)
-            else:
-                stat_a, stat_b = _select(keys, plan.classes, k, plan.n_stats)
+            stat_a, stat_b = statistics(plan, part_max, part_sum, keys, schedule, skip)
         feedback = kind != LINF and bool(scales)
         integer = kind == KSPARSE
         factors = _units_factors(device, _radii_token(radii), float(k)) if feedback and integer else plan.radii
@@ -571,39 +510,3 @@ def _set_step(kind: int, params, momentum, grads, schedule, tangent_coeffs, radi
                     COMPUTE_DTYPE=TL_DTYPES[compute_dtype], RB=rb, CB=cb, SKIPPABLE=skip, num_warps=4,
                     maxnreg=_MAX_REGISTERS, enable_fp_fusion=False)
         _gap_sum_kernel[(1,)](gap_part, gap, plan.slots, schedule, RBLOCK=_RBLOCK, SKIPPABLE=skip, num_warps=4)
-
-
-def linf_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                  schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
-                  offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor,
-                  row_numel: Sequence[int] = ()) -> None:
-    """One Frank-Wolfe step over L-infinity ball(s), in place; same contract as reference.linf_fw_step_ (and
-    the arguments of fw_step.l1_fw_step_). One pass."""
-    _set_step(LINF, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel)
-
-
-def lp_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: Sequence[float], global_ball: bool,
-                offsets: Sequence[int], seed: int, distribution: int, gap: torch.Tensor, row_numel: Sequence[int] = (),
-                p: float = 2.0, scales: Sequence[torch.Tensor] = ()) -> None:
-    """One Frank-Wolfe step over Lp ball(s), 1 < p < inf, in place; same contract as reference.lp_fw_step_.
-    A reduction pass, a per-ball finalize, the update pass, then (with scales) the norm feedback's per ball."""
-    if not 1 < p < float("inf"):
-        raise ValueError(f"p must satisfy 1 < p < inf, got {p}")
-    _set_step(LP, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, p=float(p), scales=scales)
-
-
-def ksparse_fw_step_(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
-                     grads: Sequence[torch.Tensor], schedule: torch.Tensor, tangent_coeffs: torch.Tensor,
-                     radii: Sequence[float], global_ball: bool, offsets: Sequence[int], seed: int, distribution: int,
-                     gap: torch.Tensor, row_numel: Sequence[int] = (), k: int = 1,
-                     scales: Sequence[torch.Tensor] = ()) -> None:
-    """One Frank-Wolfe step over k-sparse polytope(s), in place; same contract as reference.ksparse_fw_step_.
-    A pass writing the keys, the selection in torch ops on the device, the update pass, then (with scales) the
-    norm feedback's per ball."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    _set_step(KSPARSE, params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
-              distribution, gap, row_numel, k=int(k), scales=scales)
