@@ -75,11 +75,11 @@ LP_P = 2.0  # the lp rows' p: the L2 ball (lp_fw_step_'s closed-form powers)
 KSPARSE_FRACTION = 0.01  # the ksparse rows' k: 1 % of the group's largest ball
 # CI's CPU speed gate (--quick): the least ratio of the copy's best time to the fused row's best time, per set, on
 # one float32 tensor of QUICK's size, one thread, fw_momentum. Measured on the 2-core CI VM (bench/RESULTS.md, "The
-# CPU speed gate"): L1 0.48-0.62, L-infinity 0.51-0.66, L2 0.17-0.22, k-sparse 0.12-0.16, the spread mostly the
-# copy's (5.8-7.4 ms). Each threshold is about 0.8x the lowest ratio measured and above half the highest, so a
-# halving fails in any of those runs; none is the issue's 0.5, which L1 straddles and L-infinity clears by 2 % at
-# worst. Raise them when a kernel gets faster.
-CPU_GATE = {"l1": 0.4, "linf": 0.4, "lp": 0.13, "ksparse": 0.1}
+# CPU speed gate"): L1 0.83-0.95 since its pass runs AVX2 loops where the CPU has them (0.48-0.62 before),
+# L-infinity 0.51-0.66, L2 0.17-0.22, k-sparse 0.12-0.16, the spread mostly the copy's (5.8-7.4 ms). Each threshold is
+# below the lowest ratio measured and above half the highest, so a halving fails in any of those runs. Raise them
+# when a kernel gets faster.
+CPU_GATE = {"l1": 0.6, "linf": 0.4, "lp": 0.13, "ksparse": 0.1}
 # --quick's settings (each one given on the command line wins). 1e7 parameters: theta, v and g are 120 MB, the
 # copy's buffers 200 MB, far beyond the caches (32 MiB of L3 on the CI VM's EPYC), so both sides stream from memory
 # as a large model's step does; a round of the four sets and their copies takes about 0.3 s on one thread.

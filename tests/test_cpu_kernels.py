@@ -386,3 +386,60 @@ def test_set_steps_follow_the_reference_on_nonfinite_directions(fgfw_ops, kind, 
 
 def test_lp_step_of_directions_near_the_dtype_limits(fgfw_ops):
     set_cases.check_lp_directions_near_the_limits(fgfw_ops.lp_fw_step_, "cpu")
+
+
+_BOTH_PATHS_SCRIPT = r"""
+import sys, torch, fgfw
+from torch import nn
+torch.set_num_threads(1)
+out = []
+for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    for kind in ("afgfw", "fgfw_rademacher", "afgfw_rows", "fw", "fw_rows"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(300, 257), nn.Tanh(), nn.Linear(257, 10)).to(dtype)
+        x, y = torch.randn(64, 300, dtype=dtype), torch.randint(0, 10, (64,))
+        rows = kind.endswith("rows")
+        ball = fgfw.L1Ball.relative_to_init(0.5, scope="row" if rows else "tensor")
+        if kind.startswith("fw"):
+            opt = fgfw.FrankWolfe(m, constraint=ball, momentum=0.9)
+        elif kind == "fgfw_rademacher":
+            opt = fgfw.FGFW(m, constraint=ball, seed=5, tangent="rademacher")
+        else:
+            opt = fgfw.AFGFW(m, constraint=ball, seed=5, num_tangents=1 if rows else 3)
+        closure = lambda: nn.functional.cross_entropy(m(x).float(), y)
+        for _ in range(3):
+            if kind.startswith("fw"):
+                opt.zero_grad()
+                closure().backward()
+                opt.step()
+            else:
+                opt.step(closure)
+        out += [p.detach().clone() for p in m.parameters()]
+        out += [t.clone() for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_cpu_step_has_the_same_bits_on_the_avx2_and_the_baseline_path(tmp_path):
+    """The CPU pass runs AVX2-compiled loops where the CPU has AVX2 and the baseline (SSE2) loops elsewhere
+    (FGFW_CPU_BASELINE=1 forces them): FrankWolfe, FGFW and AFGFW steps with tensor and row balls, in every dtype,
+    Gaussian and Rademacher tangents, give the same bits on both paths."""
+    import os
+    import subprocess
+    import sys
+
+    results = []
+    for baseline in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "FGFW_CPU_BASELINE"}
+        if baseline:
+            env["FGFW_CPU_BASELINE"] = "1"
+        path = tmp_path / f"{baseline}.pt"
+        subprocess.run([sys.executable, "-c", _BOTH_PATHS_SCRIPT, str(path)], env=env, check=True, timeout=300,
+                       capture_output=True)
+        results.append(torch.load(path))
+    avx2, base = results
+    assert len(avx2) == len(base) > 30
+    for a, b in zip(avx2, base):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        assert torch.equal(a.reshape(-1).view(width), b.reshape(-1).view(width))
