@@ -284,7 +284,7 @@ void ksparse_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::Ten
                          const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                          bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
                          const at::Tensor& gap, c10::IntArrayRef row_numel, int64_t k,
-                           at::TensorList scales) {
+                         at::TensorList scales) {
   check_ksparse_k(k);
   run_fw_step("ksparse_fw_step_", params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
               distribution, gap, row_numel, scales,

@@ -219,7 +219,7 @@ void lp_fw_step_cpu(at::TensorList params, at::TensorList momentum, at::TensorLi
                     const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                     bool global_ball, c10::IntArrayRef offsets, int64_t seed, int64_t distribution,
                     const at::Tensor& gap, c10::IntArrayRef row_numel, double p,
-                      at::TensorList scales) {
+                    at::TensorList scales) {
   check_lp_exponent(p);
   run_fw_step("lp_fw_step_", params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed,
               distribution, gap, row_numel, scales,
