@@ -56,6 +56,15 @@ void check_step_tensor(const at::Tensor& out, const at::Tensor& step) {
               out.device(), " like out, or on the CPU, got ", step.device());
 }
 
+void check_tangents_args(at::TensorList likes, c10::IntArrayRef offsets) {
+  TORCH_CHECK(likes.size() == offsets.size(), "tangents_at_step: one offset per tensor of likes, got ",
+              offsets.size(), " offsets for ", likes.size(), " tensors");
+  for (const auto& like : likes) {
+    TORCH_CHECK(like.device() == likes[0].device(), "tangents_at_step: every tensor of likes must be on ",
+                likes[0].device(), ", got one on ", like.device());
+  }
+}
+
 void check_fw_step_args(const char* op, at::TensorList params, at::TensorList momentum, at::TensorList grads,
                         const at::Tensor& schedule, const at::Tensor& tangent_coeffs, c10::ArrayRef<double> radii,
                         bool global_ball, c10::IntArrayRef offsets, int64_t distribution, const at::Tensor& gap,

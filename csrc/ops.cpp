@@ -10,6 +10,11 @@ TORCH_LIBRARY(fgfw, m) {
   // the CPU: a GPU kernel reads it there, so a step needs no host read and replays in a CUDA graph.
   m.def("fill_tangent_at_step_(Tensor(a!) out, int seed, Tensor step, int tangent_id, int offset, "
         "int distribution) -> ()");
+  // New tensors, one per tensor of likes (its shape, dtype, device and memory format), each filled as
+  // fill_tangent_at_step_ fills it from its offset: the tangents of a layer's parameters in one dispatch
+  // (the lean engine's just-in-time tangents), not an allocation and a fill for each.
+  m.def("tangents_at_step(Tensor[] likes, int seed, Tensor step, int tangent_id, int[] offsets, "
+        "int distribution) -> Tensor[]");
   // One fused Frank-Wolfe step over L1 ball(s) for a group of same-device, same-dtype tensors.
   // schedule: float64 (step, alpha, gamma) or (step, alpha, gamma, skip) on the params' device, read there (a
   // step with skip != 0 writes nothing but NaN into gap: the optimizers' deferred finite check); tangent_coeffs: float64 [K];

@@ -265,6 +265,57 @@ def test_cpu_fill_at_step_rejects_a_bad_counter(fgfw_ops, step, name):
         fgfw_ops.fill_tangent_at_step_(torch.empty(4), 0, step, 0, 0, GAUSSIAN)
 
 
+def _likes(device="cpu"):
+    """Parameters of several shapes, dtypes and layouts (a channels-last 4-D one), and their places in a stream."""
+    likes = [torch.zeros(3, 5, device=device), torch.zeros(7, dtype=torch.bfloat16, device=device),
+             torch.zeros(2, 3, 4, dtype=torch.float64, device=device),
+             torch.zeros(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)]
+    return likes, [0, 16, 24, 52]
+
+
+def _assert_tangents_are_one_fill_each(backend, device="cpu"):
+    """tangents_at_step on ``backend``: new tensors laid out as their likes, each what fill_tangent_ at the same step
+    writes into empty_like(like) on that backend (bit for bit), and that within the reference's tolerance."""
+    from fgfw import _ops
+    likes, offsets = _likes(device)
+    step = torch.tensor(5, device=device)
+    for distribution in (GAUSSIAN, RADEMACHER):
+        out = _ops.tangents_at_step(likes, 13, step, 1, offsets, distribution, backend)
+        assert len(out) == len(likes)
+        for like, offset, t in zip(likes, offsets, out):
+            assert (t.shape, t.dtype, t.device, t.stride()) == (like.shape, like.dtype, like.device, like.stride())
+            assert t.data_ptr() != like.data_ptr() and not t.requires_grad
+            one = _ops.fill_tangent_(torch.empty_like(like), 13, step, 1, offset, distribution, backend)
+            assert torch.equal(t, one)
+            _assert_matches_reference(t.reshape(-1), like.numel(), 13, 5, 1, offset, distribution)
+
+
+def test_cpu_tangents_at_step_are_one_fill_each(fgfw_ops):
+    _assert_tangents_are_one_fill_each("cpu")
+
+
+def test_reference_tangents_at_step_are_one_fill_each():
+    _assert_tangents_are_one_fill_each("torch")
+
+
+def test_cpu_tangents_at_step_checks_its_arguments(fgfw_ops):
+    likes, _ = _likes()
+    with pytest.raises(RuntimeError, match="one offset per tensor of likes, got 2 offsets for 4 tensors"):
+        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1), 0, [0, 4], GAUSSIAN)
+    with pytest.raises(RuntimeError, match="step must be an int64 tensor of one element"):
+        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1.0), 0, [0, 16, 24, 52], GAUSSIAN)
+    assert fgfw_ops.tangents_at_step([], 0, torch.tensor(1), 0, [], GAUSSIAN) == []
+
+
+def test_tangents_at_step_fake_describes_its_outputs(fgfw_ops):
+    """The fake kernel (torch.compile traces with it) gives tensors laid out as the likes, without data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        likes = [mode.from_tensor(t) for t in _likes()[0]]
+        out = fgfw_ops.tangents_at_step(likes, 0, mode.from_tensor(torch.tensor(1)), 0, [0, 16, 24, 52], GAUSSIAN)
+    assert [(t.shape, t.dtype, t.stride()) for t in out] == [(t.shape, t.dtype, t.stride()) for t in likes]
+
+
 # ---- the CUDA kernel (skips without a GPU) -------------------------------------------------------
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])
@@ -272,6 +323,10 @@ def test_cpu_fill_at_step_rejects_a_bad_counter(fgfw_ops, step, name):
 def test_cuda_matches_reference(fgfw_cuda_ops, numel, seed, step, tangent_id, offset, distribution):
     out = _fill(fgfw_cuda_ops, numel, seed, step, tangent_id, offset, distribution, device="cuda")
     _assert_matches_reference(out, numel, seed, step, tangent_id, offset, distribution)
+
+
+def test_cuda_tangents_at_step_are_one_fill_each(fgfw_cuda_ops):
+    _assert_tangents_are_one_fill_each("cuda", "cuda")
 
 
 @pytest.mark.parametrize("distribution", [GAUSSIAN, RADEMACHER])

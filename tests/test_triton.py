@@ -816,3 +816,10 @@ def test_gradient_step_and_skippable_steps_pass_opcheck():
                 torch.zeros((), **f64), [])
         torch.library.opcheck(torch.ops.fgfw_triton.l1_fw_step_.default, args)
         torch.library.opcheck(torch.ops.fgfw_triton.linf_fw_step_.default, args)
+
+
+def test_tangents_at_step_are_one_fill_each():
+    """The Triton backend's tangents_at_step (one custom op for a layer's tangents) against its own fill_tangent_ and
+    the reference (test_tangent_stream's check)."""
+    from test_tangent_stream import _assert_tangents_are_one_fill_each
+    _assert_tangents_are_one_fill_each("triton", DEVICE)

@@ -4,9 +4,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "op_args.h"
 #include "philox.h"
@@ -64,11 +66,27 @@ void fill_tangent_at_step_cpu(const at::Tensor& out, int64_t seed, const at::Ten
   fill_tangent_cpu(out, seed, step.item<int64_t>(), tangent_id, offset, distribution);
 }
 
+std::vector<at::Tensor> tangents_at_step_cpu(at::TensorList likes, int64_t seed, const at::Tensor& step,
+                                             int64_t tangent_id, at::IntArrayRef offsets, int64_t distribution) {
+  check_tangents_args(likes, offsets);
+  std::vector<at::Tensor> out;
+  out.reserve(likes.size());
+  if (likes.empty()) return out;
+  check_step_tensor(likes[0], step);
+  const int64_t at_step = step.item<int64_t>();
+  for (size_t i = 0; i < likes.size(); ++i) {
+    out.push_back(at::empty_like(likes[i]));
+    fill_tangent_cpu(out.back(), seed, at_step, tangent_id, offsets[i], distribution);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fgfw, CPU, m) {
   m.impl("fill_tangent_", &fill_tangent_cpu);
   m.impl("fill_tangent_at_step_", &fill_tangent_at_step_cpu);
+  m.impl("tangents_at_step", &tangents_at_step_cpu);
 }
 
 }  // namespace fgfw

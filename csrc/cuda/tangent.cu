@@ -3,6 +3,7 @@
 // headers and double the compile time.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cuda/multi_tensor.cuh"
 #include "op_args.h"
@@ -95,11 +97,24 @@ void fill_tangent_at_step_cuda(const at::Tensor& out, int64_t seed, const at::Te
   }
 }
 
+std::vector<at::Tensor> tangents_at_step_cuda(at::TensorList likes, int64_t seed, const at::Tensor& step,
+                                              int64_t tangent_id, at::IntArrayRef offsets, int64_t distribution) {
+  check_tangents_args(likes, offsets);
+  std::vector<at::Tensor> out;
+  out.reserve(likes.size());
+  for (size_t i = 0; i < likes.size(); ++i) {
+    out.push_back(at::empty_like(likes[i]));
+    fill_tangent_at_step_cuda(out.back(), seed, step, tangent_id, offsets[i], distribution);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fgfw, CUDA, m) {
   m.impl("fill_tangent_", &fill_tangent_cuda);
   m.impl("fill_tangent_at_step_", &fill_tangent_at_step_cuda);
+  m.impl("tangents_at_step", &tangents_at_step_cuda);
 }
 
 }  // namespace fgfw

@@ -6,7 +6,7 @@ no data to write and no output to describe, so it does nothing; the arguments ar
 kernels themselves when the compiled graph runs (csrc/op_args.cpp), with the same errors as eager.
 (torch 2.14 infers this same trivial fake for a mutating op that returns nothing; registering it
 states the contract instead of relying on that inference, and is where an op with outputs would
-describe them: ``nonfinite``, the one op that returns a tensor.)
+describe them: ``nonfinite`` and ``tangents_at_step``, the ops that return tensors.)
 
 Imported by ``fgfw._ops`` right after ``fgfw._C``, whose ``TORCH_LIBRARY`` defines the ops.
 """
@@ -52,6 +52,12 @@ def _ksparse_fw_step_fake(params, momentum, grads, schedule, tangent_coeffs, rad
 @torch.library.register_fake("fgfw::gradient_step_")
 def _gradient_step_fake(params, momentum, grads, schedule) -> None:
     return None
+
+
+@torch.library.register_fake("fgfw::tangents_at_step")
+def _tangents_at_step_fake(likes, seed, step, tangent_id, offsets, distribution) -> list[torch.Tensor]:
+    # new tensors shaped, typed and laid out as likes
+    return [torch.empty_like(like) for like in likes]
 
 
 @torch.library.register_fake("fgfw::nonfinite")

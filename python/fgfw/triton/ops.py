@@ -42,6 +42,26 @@ def _(out, seed, step, tangent_id, offset, distribution) -> None:
     return None
 
 
+@torch.library.custom_op(f"{NAMESPACE}::tangents_at_step", mutates_args=())
+def tangents_at_step(likes: list[torch.Tensor], seed: int, step: torch.Tensor, tangent_id: int, offsets: list[int],
+                     distribution: int) -> list[torch.Tensor]:
+    """New tensors shaped as ``likes``, each filled by ``fill_tangent_at_step_`` from its offset, as one custom op
+    (the C++ op ``fgfw::tangents_at_step``'s contract)."""
+    if len(likes) != len(offsets):
+        raise RuntimeError(f"tangents_at_step: one offset per tensor of likes, got {len(offsets)} offsets for "
+                           f"{len(likes)} tensors")
+    out = []
+    for like, offset in zip(likes, offsets):
+        out.append(torch.empty_like(like))
+        tangent.fill_tangent_at_step_(out[-1], seed, step, tangent_id, offset, distribution)
+    return out
+
+
+@tangents_at_step.register_fake
+def _(likes, seed, step, tangent_id, offsets, distribution) -> list[torch.Tensor]:
+    return [torch.empty_like(like) for like in likes]
+
+
 @torch.library.custom_op(f"{NAMESPACE}::l1_fw_step_", mutates_args=("params", "momentum", "gap"))
 def l1_fw_step_(params: list[torch.Tensor], momentum: list[torch.Tensor], grads: list[torch.Tensor],
                 schedule: torch.Tensor, tangent_coeffs: torch.Tensor, radii: list[float], global_ball: bool,
