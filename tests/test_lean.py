@@ -33,6 +33,12 @@ def rule_cases():
     return {
         "linear": (lean.linear, F.linear, [randn(3, 4, 6), randn(5, 6), randn(5)], {}),
         "linear_1d": (lean.linear, F.linear, [randn(6), randn(5, 6), randn(5)], {}),
+        "linear_4d": (lean.linear, F.linear, [randn(2, 3, 4, 6), randn(5, 6), randn(5)], {}),
+        "linear_4d_no_bias": (lambda x, w: lean.linear(x, w), lambda x, w: F.linear(x, w),
+                              [randn(2, 3, 4, 6), randn(5, 6)], {}),
+        "linear_strided_rows": (lambda x, w, b: lean.linear(x.transpose(0, 1), w, b),
+                                lambda x, w, b: F.linear(x.transpose(0, 1), w, b),
+                                [randn(4, 3, 6), randn(5, 6), randn(5)], {}),
         "addmm": (lean.addmm, torch.addmm, [randn(5), randn(4, 6), randn(6, 5)], {}),
         "addmm_matrix_bias": (lean.addmm, torch.addmm, [randn(4, 5), randn(4, 6), randn(6, 5)], {}),
         "mul": (lean.mul, torch.mul, [randn(3, 4), randn(3, 4)], {}),
@@ -123,6 +129,41 @@ def test_rule_run_directly_in_the_engines_setting(name, monkeypatch):
                 ref, ref_t = fwAD.unpack_dual(torch_fn(*args, **kwargs))
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape, bias", [((7, 64), True), ((7, 64), False), ((3, 4, 64), True), ((3, 4, 64), False),
+                                         ((2, 3, 4, 64), False)])
+def test_linear_rule_gives_f_linears_own_primal(shape, bias):
+    """The one-tangent linear computes the primal itself (the rows viewed once for three products): in float32 it
+    is F.linear's result bit for bit, the same BLAS call (so the lean loss is the model's loss); a 4-D x with a bias
+    (F.linear adds the bias after its product) is declined."""
+    torch.manual_seed(14)
+    x, w = torch.randn(shape), torch.randn(33, 64)
+    b = torch.randn(33) if bias else None
+    y, t = lean.LinearJvp.fused_forward_and_jvp(x, w, b, torch.randn_like(x), torch.randn_like(w), None)
+    assert torch.equal(y, F.linear(x, w, b)) and t.shape == y.shape
+    assert lean.LinearJvp.fused_forward_and_jvp(torch.randn(2, 3, 4, 64), w, torch.randn(33), None, None, None) is None
+
+
+@pytest.mark.parametrize("name", [n for n in RULES if n.startswith("attention")])
+def test_attention_tangent_in_chunks_of_query_rows(name, monkeypatch):
+    """With no floor on a chunk's scores, the rows come in chunks of the head's width (the last one partial): the
+    tangent of both paths (torch.func's jvp, and the engine's on plain tensors) still matches torch's."""
+    monkeypatch.setattr(lean, "_CHUNK_SCORES", 0)
+    chunks = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda tensors, *a, **k: chunks.append(len(tensors)) or real_cat(tensors, *a, **k))
+    lean_fn, torch_fn, inputs, kwargs = RULES[name]
+    torch.manual_seed(13)
+    tangents = [torch.randn_like(x) for x in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        _, ref_t = torch.func.jvp(lambda *a: torch_fn(*a, **kwargs), tuple(inputs), tuple(tangents))
+    _, out_t = torch.func.jvp(lambda *a: lean_fn(*a, **kwargs), tuple(inputs), tuple(tangents))
+    torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
+    with torch.no_grad(), fwAD.dual_level():
+        out_t = fwAD.unpack_dual(lean_fn(*[fwAD.make_dual(x, t) for x, t in zip(inputs, tangents)], **kwargs)).tangent
+    torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-12)
+    assert chunks and all(n == 4 for n in chunks)  # 13 query rows of 4-wide heads: chunks of 4, 4, 4, 1
 
 
 @pytest.mark.parametrize("approximate", [None, "none", "tanh"])
@@ -460,8 +501,9 @@ def test_gemm_operands_of_a_lean_step_take_blas_layouts():
         for t in operands:
             assert _blas_layout(t), (name, tuple(t.shape), t.stride())
     # the linear layers' products (attention runs in one SDPA kernel in the inference forward, in bmm's and
-    # baddbmm_'s in the step)
-    linear = [[name for name, _ in calls if name not in ("bmm", "baddbmm_")] for calls in (inference.calls, step.calls)]
+    # baddbmm's in the step)
+    linear = [[name for name, _ in calls if name not in ("bmm", "baddbmm", "baddbmm_")]
+              for calls in (inference.calls, step.calls)]
     assert len(linear[0]) == 9  # 2 x (c_attn, attention's c_proj, c_fc, the MLP's c_proj) and the head
     assert len(linear[1]) == 3 * len(linear[0]), sorted(linear[1])
 
@@ -502,9 +544,19 @@ CARRIED = {  # name -> f(module) -> a tensor; the loss is the sum of its squares
     "sum_mean_neg": lambda m: -m.a.sum(0) + m.c.mean(1, keepdim=True) + torch.neg(m.b).cumsum(0),
     "fallback_ops": lambda m: torch.sin(m.a) + torch.log_softmax(m.c, -1) + torch.clamp(m.a, -0.5, 0.5) + m.b.sinh(),
     "inplace": lambda m: _inplace_ops(m),
+    "view_chains": lambda m: (m.a * 2).view(12)[1:].view(11, 1).t().expand(2, 11) @ m.c.view(12)[:11].unsqueeze(1)
+    + (m.a + m.c).transpose(0, 1).unbind(1)[2].view(2, 2).sum(),
+    "cat_of_an_empty_cache_then_write": lambda m: _empty_cache_cat(m),
     "lean_rules": lambda m: F.layer_norm(m.a, (4,), m.b, m.b) + F.linear(m.c, m.a.t() @ m.a, m.b)
     + torch.softmax(m.c, -1) * m.a,
 }
+
+
+def _empty_cache_cat(m):
+    x = m.a * 2
+    y = torch.cat([torch.zeros(0, 4, dtype=D), x])  # adds nothing but x: y's tangent is x's, shared
+    x.mul_(m.c)  # so x's write must not reach y's tangent
+    return x + y
 
 
 def _inplace_ops(m):
@@ -550,6 +602,34 @@ def test_carried_calls_without_duals():
             ENGINES["lean"](model, params, lambda j: tangents[j], lambda: CARRIED[name](model).sum())
         # forward AD's bookkeeping for a dual made or unpacked: none here
         assert counts["aten._has_same_storage_numel"] == counts["aten.is_same_size"] == 0, name
+
+
+def test_a_chain_of_views_costs_its_tangent_one_op():
+    """A view of a view ... of an activation takes its tangent in one as_strided when it is read, not one op per view
+    (Hugging Face attention's view, split, view, transpose): the lean pass dispatches the primal's view ops once."""
+    model = Ops()
+    params = list(model.parameters())
+    tangents = [randn(*p.shape) for p in params]
+
+    def closure():
+        return (m_a_2 := model.a * 2).view(12)[1:].view(11, 1).t().reshape(11).mul(m_a_2.view(12)[:11]).sum()
+
+    counts = []
+    for run in (lambda: closure(), lambda: ENGINES["lean"](model, params, lambda j: tangents[j], closure)):
+        counter = collections.Counter()
+
+        class Counter(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter[str(func.overloadpacket)] += 1
+                return func(*args, **(kwargs or {}))
+
+        with torch.no_grad(), Counter():
+            run()
+        counts.append(counter)
+    inference, lean_pass = counts
+    for op in ("aten.view", "aten.slice", "aten.t", "aten._unsafe_view"):
+        assert lean_pass[op] == inference[op], (op, inference, lean_pass)
+    assert lean_pass["aten.as_strided"] == 2  # the tangents of the two views that are read: one op each
 
 
 def test_inplace_on_a_view_is_refused_with_the_op_named():
@@ -628,3 +708,33 @@ def test_lean_engine_on_real_models_matches_backprop(name):
     float32_inside = name in ("gpt2_hf_loss", "llama_gqa")
     assert relative_error(c.double(), ref_c) <= (1e-6 if float32_inside else 1e-9)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6 if float32_inside else 1e-12, atol=0)
+
+
+def test_a_calls_parameters_get_their_tangents_from_one_many():
+    """A maker with ``many`` (the optimizers' draws a layer's tangents in one op): each call that reads a weight and a
+    bias asks ``many`` once for both, a call with one parameter asks it for one, and the pass gives the loss and c of
+    the same maker without ``many``, bit for bit."""
+    torch.manual_seed(15)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3, bias=False)).double()
+    params = list(model.parameters())
+    tangents = [torch.randn_like(p) for p in params]
+    x, y = randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+    asked = []
+
+    class Maker:
+        def __call__(self, j):
+            return tangents[j].clone()
+
+        def many(self, js):
+            asked.append(list(js))
+            return [tangents[j].clone() for j in js]
+
+    def closure():
+        return F.cross_entropy(model(x), y)
+
+    loss, c = lean.lean_directional_derivative(model, params, Maker(), closure)
+    plain_loss, plain_c = lean.lean_directional_derivative(model, params, lambda j: tangents[j].clone(), closure)
+    assert asked == [[0, 1], [2, 3], [4]]
+    assert torch.equal(loss, plain_loss) and torch.equal(c, plain_c)
+    _, ref = directional_derivative(model, params, lambda j: tangents[j].clone(), closure)  # torch's forward AD
+    torch.testing.assert_close(c, ref, rtol=1e-10, atol=1e-12)

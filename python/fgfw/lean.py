@@ -94,6 +94,8 @@ from .tangent_carrier import TangentCarrier, _Ctx
 
 # the input-tangent term of a convolution is added in this many batch chunks: its temporary is 1/8 output
 _CONV_CHUNKS = 8
+# the attention tangent's chunks of query rows hold at least this many scores per head (64 KiB in float32)
+_CHUNK_SCORES = 1 << 14
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -181,6 +183,36 @@ class LinearJvp(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         x, weight, _ = inputs
         ctx.save_for_forward(x, weight)
+
+    @staticmethod
+    def fused_forward_and_jvp(x, weight, bias, x_t, weight_t, bias_t):
+        """(y, y_dot) on plain tensors with x's rows and W^T viewed once for the primal and both tangent products
+        (three F.linear calls view them three times). The primal is F.linear's own product: addmm for a 2-D x
+        or a contiguous 3-D x with a bias, mm of the flattened rows without a bias (where F.linear's matmul folds
+        to it). None under ``vmap``, and where F.linear takes another path (then ``forward`` and ``jvp`` run)."""
+        if torch._C._are_functorch_transforms_active() or x.dim() < 2 or not (
+                x.dim() == 2 or (x.is_contiguous() and (x.dim() == 3 or bias is None))):
+            return None
+        x_rows = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+        weight_T = weight.t()
+        y = torch.mm(x_rows, weight_T) if bias is None else torch.addmm(bias, x_rows, weight_T)
+        t = None
+        if weight_t is not None:
+            t = torch.mm(x_rows, weight_t.t()) if bias_t is None else torch.addmm(bias_t, x_rows, weight_t.t())
+            bias_t = None
+        if x_t is not None:
+            x_t_rows = x_t if x_t.dim() == 2 else x_t.reshape(-1, x_t.shape[-1])
+            if t is not None:
+                t.addmm_(x_t_rows, weight_T)
+            else:
+                t = torch.mm(x_t_rows, weight_T) if bias_t is None else torch.addmm(bias_t, x_t_rows, weight_T)
+                bias_t = None
+        if bias_t is not None:
+            t = bias_t.expand(y.shape).clone()
+        if x.dim() > 2:
+            shape = (*x.shape[:-1], weight.shape[0])
+            y, t = y.view(shape), None if t is None else t.view(shape)
+        return y, t
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t):
@@ -329,25 +361,27 @@ class LayerNormJvp(torch.autograd.Function):
 
     @staticmethod
     def fused_forward_and_jvp(x, normalized_shape, weight, bias, eps, x_t, _, weight_t, bias_t, __):
-        """(y, y_dot) on plain tensors with the forward's own row statistics (``native_layer_norm`` returns them):
-        fewer calls than ``jvp``, which recomputes them, for one more transient of x's size. None under ``vmap``
-        and where the statistics come in another dtype than x's (half precision), where ``jvp`` runs."""
+        """(y, y_dot) on plain tensors in a few whole-tensor ops, None under ``vmap`` and where the row statistics
+        come in another dtype than x's (half precision), where ``jvp`` runs.
+
+        The normalisation's Jacobian, rstd (I - 1 1^T / n - x_hat x_hat^T / n) per row, is symmetric, so its
+        product with x_dot is torch's layer-norm backward of x_dot without weight (one kernel, the forward's own
+        statistics); x_hat w_dot + b_dot is a layer norm of x with weight w_dot and bias b_dot (one kernel)."""
         if torch._C._are_functorch_transforms_active():
             return None
         y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         if mean.dtype != x.dtype:
             return None
-        x_hat = torch.sub(x, mean).mul_(rstd)
         t = None
         if x_t is not None:
-            dims = tuple(range(-len(normalized_shape), 0))
-            t = x_t - x_t.mean(dims, keepdim=True)
-            t.addcmul_(x_hat, (x_t * x_hat).mean(dims, keepdim=True), value=-1).mul_(rstd)
+            t = torch.ops.aten.native_layer_norm_backward(x_t, x, normalized_shape, mean, rstd, None, None,
+                                                          [True, False, False])[0]
             if weight is not None:
                 t.mul_(weight)
         if weight_t is not None:
-            t = x_hat * weight_t if t is None else t.addcmul_(x_hat, weight_t)
-        if bias_t is not None:
+            shifted = torch.native_layer_norm(x, normalized_shape, weight_t, bias_t, eps)[0]
+            t = shifted if t is None else t.add_(shifted)
+        elif bias_t is not None:
             t = bias_t.expand_as(y).clone() if t is None else t.add_(bias_t)
         return y, t
 
@@ -415,7 +449,12 @@ class CrossEntropyJvp(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, logits_t, *_):
         logits, target = ctx.saved_tensors
-        dot = _rowdot(torch.softmax(logits, -1), logits_t)  # the softmax is freed here, before the next buffer
+        probs = torch.softmax(logits, -1)  # freed here, before the next buffer
+        if torch._C._are_functorch_transforms_active():  # a batched tangent cannot be written into probs
+            dot = _rowdot(probs, logits_t)
+        else:  # in the softmax's own buffer: two ops where the bmm of _rowdot needs four
+            dot = probs.mul_(logits_t).sum(-1, keepdim=True)
+        del probs
         # nll_loss(a, y) reduces -a_i[y_i] over the rows whose target is not ignored, as the loss does: with
         # a = z_dot - <softmax(z), z_dot> it is the loss tangent, in one kernel (gather, mask, reduction)
         return F.nll_loss(logits_t - dot, target, ignore_index=ctx.ignore_index, reduction=ctx.reduction)
@@ -473,9 +512,11 @@ class AttentionJvp(torch.autograd.Function):
         query, key, value, attn_mask, ctx.is_causal, scale = inputs
         ctx.scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         ctx.save_for_forward(query, key, value, attn_mask)
-        # rows per chunk: a chunk of scores is about as large as the output, never (L x L)
+        # rows per chunk: a chunk of scores is about as large as the output, never (L x L), and at least
+        # _CHUNK_SCORES per head: below that a chunk's ops cost more host time than its memory is worth
         heads = max(1, math.prod(output.shape[:-2]))
-        ctx.rows = max(1, output.numel() // (heads * key.shape[-2]))
+        ctx.rows = max(1, output.numel() // (heads * key.shape[-2]), _CHUNK_SCORES // max(1, key.shape[-2]))
+        ctx.layout = (output.shape, output.stride())  # the primal's: the carried tangent takes it too
 
     @staticmethod
     def fused_forward_and_jvp(query, key, value, attn_mask, is_causal, scale, query_t, key_t, value_t, *_):
@@ -491,7 +532,14 @@ class AttentionJvp(torch.autograd.Function):
             return _fused_attention().attention_jvp(query, key, value, query_t, key_t, value_t, ctx.is_causal,
                                                     ctx.scale)[1]
         if not torch._C._are_functorch_transforms_active():  # plain tensors: the one-tangent pass
-            return _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_t, mask_t)
+            out_t = _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_t, mask_t)
+            shape, stride = ctx.layout
+            if _CARRIER is not None and out_t.stride() != stride:
+                # laid out as the primal (torch's CPU flash kernel writes (B, T, H, D) and returns it transposed),
+                # the carrier follows the model's transpose, contiguous and views of it without an op
+                laid_out = torch.empty_strided(shape, stride, dtype=out_t.dtype, device=out_t.device)
+                out_t = laid_out.copy_(out_t)
+            return out_t
         # heads split off a fused projection are strided views that a bmm over flattened heads would copy, chunk
         # after chunk: one contiguous copy of each here instead (contiguous() of a contiguous tensor is itself)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
@@ -532,26 +580,40 @@ class AttentionJvp(torch.autograd.Function):
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -2)
 
 
+def _score_bias(rows: int, size: int, start: int, causal: bool, dtype, device) -> torch.Tensor:
+    """What ``baddbmm`` adds to a chunk's scaled scores: -inf above the causal diagonal (0 below), or a zero it
+    scales by beta = 0. Made once per one-tangent pass (the carrier's memo) and shared by every layer."""
+    memo = _CARRIER.memo if _CARRIER is not None else {}
+    key = ("score_bias", rows, size, start if causal else None, dtype, device)
+    bias = memo.get(key)
+    if bias is None:
+        bias = (torch.full((rows, size), -math.inf, dtype=dtype, device=device).triu_(start + 1) if causal else
+                torch.zeros((), dtype=dtype, device=device))
+        memo[key] = bias
+    return bias
+
+
 def _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_t, mask_t):
     """AttentionJvp's tangent on plain tensors, in fewer calls (the one-tangent pass is host-bound on a GPU): the
-    heads flattened once per call, the scale folded into the query and its tangent, products accumulated in place
-    (``baddbmm_``), and ``rowsum(P dS)`` from ``P * dS`` in place. The same chunks of query rows as ``jvp``."""
+    heads flattened once per call; the scale folded into the products' ``alpha`` (S = Q K^T s from one ``baddbmm``
+    that also adds the causal mask, dO = P dV + s dP' V with dP' the unscaled dP); products accumulated in place;
+    ``rowsum(P dS)`` from ``P * dS`` in place. The same chunks of query rows as ``jvp``."""
     lead, length, size = query.shape[:-2], query.shape[-2], key.shape[-2]
 
     def flat(x):  # (..., rows, cols) -> (heads, rows, cols), made contiguous once (heads are strided views)
         return None if x is None else x.contiguous().view(-1, *x.shape[-2:])
 
-    query_s = flat(query) * ctx.scale
-    key_T = flat(key).transpose(1, 2)
-    value = flat(value)
-    query_t_s = None if query_t is None else flat(query_t) * ctx.scale
+    scale = ctx.scale
+    query, key_T, value = flat(query), flat(key).transpose(1, 2), flat(value)
+    query_t, value_t = flat(query_t), flat(value_t)
     key_t_T = None if key_t is None else flat(key_t).transpose(1, 2)
-    value_t = flat(value_t)
     chunks = []
     for start in range(0, length, ctx.rows):
         stop = min(length, start + ctx.rows)
-        q = query_s[:, start:stop]
-        scores = torch.bmm(q, key_T)
+        whole = start == 0 and stop == length  # one chunk: no slices
+        q = query if whole else query[:, start:stop]
+        bias = _score_bias(stop - start, size, start, ctx.is_causal, query.dtype, query.device)
+        scores = torch.baddbmm(bias, q, key_T, beta=1 if ctx.is_causal else 0, alpha=scale)
         if mask is not None:
             m = mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] == length else mask
             scores_4d = scores.view(*lead, stop - start, size)
@@ -559,30 +621,28 @@ def _attention_tangent_flat(ctx, query, key, value, mask, query_t, key_t, value_
                 scores_4d.masked_fill_(~m, -math.inf)
             else:
                 scores_4d.add_(m)
-        if ctx.is_causal:
-            causal = torch.ones(stop - start, size, dtype=torch.bool, device=scores.device).triu_(start + 1)
-            scores.masked_fill_(causal, -math.inf)
         probs = torch.softmax(scores, -1)
         del scores
-        d_scores = None
-        if query_t_s is not None:
-            d_scores = torch.bmm(query_t_s[:, start:stop], key_T)
+        d_scores = None  # dS / s while d_scale is s (the scale folded into the last product), dS once it is 1
+        if query_t is not None:
+            d_scores = torch.bmm(query_t if whole else query_t[:, start:stop], key_T)
         if key_t_T is not None:
             d_scores = torch.bmm(q, key_t_T) if d_scores is None else d_scores.baddbmm_(q, key_t_T)
+        d_scale = scale
         if mask_t is not None:
             m_t = mask_t[..., start:stop, :] if mask_t.dim() >= 2 and mask_t.shape[-2] == length else mask_t
             if d_scores is None:
                 d_scores = m_t.expand(*lead, stop - start, size).reshape(probs.shape).clone()
             else:
-                d_scores.view(*lead, stop - start, size).add_(m_t)
-        out_t = None
+                d_scores.mul_(scale).view(*lead, stop - start, size).add_(m_t)
+            d_scale = 1.0
+        out_t = None if value_t is None else torch.bmm(probs, value_t)
         if d_scores is not None:
             # dP = P dS - P rowsum(P dS), in the buffer of dS
             d_probs = d_scores.mul_(probs)
             d_probs.addcmul_(probs, d_probs.sum(-1, keepdim=True), value=-1)
-            out_t = torch.bmm(d_probs, value)
-        if value_t is not None:
-            out_t = torch.bmm(probs, value_t) if out_t is None else out_t.baddbmm_(probs, value_t)
+            out_t = (torch.bmm(d_probs, value).mul_(d_scale) if out_t is None else
+                     out_t.baddbmm_(d_probs, value, alpha=d_scale))
         chunks.append(out_t)
     out_t = chunks[0] if len(chunks) == 1 else torch.cat(chunks, 1)
     return out_t.view(*lead, length, out_t.shape[-1])
@@ -817,7 +877,9 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
 
     Same contract as :func:`fgfw.forward_ad_engine.directional_derivative`; ``make_tangent(j)`` is called when
     a call first needs ``params[j]`` (once per call that uses it, possibly several times per pass, and
-    not at all for a parameter the closure never uses), so it must return the same values every time.
+    not at all for a parameter the closure never uses), so it must return the same values every time. Where
+    ``make_tangent`` also has a method ``many(js)`` (a list of indices -> their tangents, in order), a call that
+    reads several parameters (a layer's weight and bias) gets their tangents from one ``many`` instead.
     """
     if torch.compiler.is_compiling():
         # Dynamo guards on the identities the just-in-time mode looks up (a new input batch each step would
@@ -830,17 +892,23 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
     if _CARRIER is not None:
         raise RuntimeError("lean_directional_derivative cannot run inside another lean pass")
 
-    def checked_tangent(j: int) -> torch.Tensor:
-        tangent = make_tangent(j)
+    def check(j: int, tangent) -> torch.Tensor:
         _check_tangent(j, params[j], tangent)
         if not (tangent.is_floating_point() or tangent.is_complex()):  # as fwAD.make_dual checks
             raise ValueError(f"params[{j}] is {tangent.dtype}: forward AD needs floating-point or complex tensors")
         return tangent
 
+    def checked_tangent(j: int) -> torch.Tensor:
+        return check(j, make_tangent(j))
+
+    # a maker with a ``many(js)`` method (the optimizers') draws the tangents of one call's parameters at once
+    many = getattr(make_tangent, "many", None)
+    checked_many = None if many is None else (lambda js: [check(j, t) for j, t in zip(js, many(js))])
+
     # a dual level stays open for the calls that take torch's own rules (fgfw.tangent_carrier)
     with torch.inference_mode(False), torch.no_grad(), fwAD.dual_level() as level:
         carrier = TangentCarrier(params, checked_tangent, level, _RULES, {F.multi_head_attention_forward},
-                                 _NEEDS_MATH_ATTENTION, _reads_metadata_only)
+                                 _NEEDS_MATH_ATTENTION, _reads_metadata_only, make_tangents=checked_many)
         _CARRIER = carrier
         try:
             with carrier:
@@ -848,11 +916,17 @@ def lean_directional_derivative(module: nn.Module, params: Sequence[torch.Tensor
         finally:
             _CARRIER = None
         loss_tangent = carrier.tangent(loss)
-        primal, dual_tangent = torch._unpack_dual(loss, level)  # a loss that ended as a dual of torch's rules
-        loss_tangent = dual_tangent if loss_tangent is None else loss_tangent
-        loss = primal.detach().reshape(())
-        c = torch.zeros_like(loss) if loss_tangent is None else loss_tangent.detach().reshape(())
+        if loss_tangent is None:  # a loss that ended as a dual of torch's rules
+            loss, loss_tangent = torch._unpack_dual(loss, level)
+        loss = _scalar(loss)
+        c = torch.zeros_like(loss) if loss_tangent is None else _scalar(loss_tangent)
     return loss, c
+
+
+def _scalar(x: torch.Tensor) -> torch.Tensor:
+    """x (one element) as a 0-dim tensor outside any graph, with no op where it is one already."""
+    x = x.detach() if x.requires_grad else x
+    return x if x.dim() == 0 else x.reshape(())
 
 
 def lean_directional_derivatives(module: nn.Module, params: Sequence[torch.Tensor],

@@ -38,6 +38,20 @@ from torch.overrides import TorchFunctionMode
 aten = torch.ops.aten
 
 
+class _LazyView:
+    """The tangent of a view, not made until something reads it: the root tangent, laid out as the primal the view
+    was taken from (same shape and strides), and the difference of their storage offsets. A view of a view of ...
+    of that primal then has its tangent in one ``as_strided`` with the view's own geometry, however many view ops
+    made it (Hugging Face attention's view, split, view, transpose: one op, not four)."""
+    __slots__ = ("root", "delta")
+
+    def __init__(self, root: torch.Tensor, delta: int):
+        self.root, self.delta = root, delta
+
+    def of(self, view: torch.Tensor) -> torch.Tensor:
+        return self.root.as_strided(view.size(), view.stride(), view.storage_offset() + self.delta)
+
+
 class _Entry:
     __slots__ = ("ref", "tangent", "owned", "aliased")
 
@@ -118,18 +132,22 @@ class TangentCarrier(TorchFunctionMode):
     """Computes each tangent-carrying call's output tangent beside its output (see the module docstring)."""
 
     def __init__(self, params: Sequence[torch.Tensor], make_tangent: Callable[[int], torch.Tensor], level: int,
-                 rules: dict, composite: set, needs_math_attention: set, reads_metadata_only: Callable):
+                 rules: dict, composite: set, needs_math_attention: set, reads_metadata_only: Callable,
+                 make_tangents: Callable[[list], list] | None = None):
         """``rules``: torch function -> lean rule (fgfw.lean's, which run their ``forward`` and ``jvp`` through
         :meth:`apply_rule`); ``composite``: the rules written in torch calls, carried call by call;
-        ``needs_math_attention``: the calls whose torch rule needs the math attention backend."""
+        ``needs_math_attention``: the calls whose torch rule needs the math attention backend;
+        ``make_tangents``: None, or indices -> their tangents at once, for a rule that reads several parameters."""
         super().__init__()
         self._index = {id(p): j for j, p in enumerate(params)}
         self._make_tangent = make_tangent
+        self._make_tangents = make_tangents
         self._level = level  # a forward-AD level open for the pass: the calls without a carried rule use it
         self._entries: dict[int, _Entry] = {}
         self._param_tangents: dict[int, torch.Tensor] | None = None  # of the call being carried
         self._rules, self._composite, self._needs_math_attention = rules, composite, needs_math_attention
         self._reads_metadata_only = reads_metadata_only
+        self.memo: dict = {}  # what the rules make once per pass and share between layers (a causal mask)
 
     # -- the table ---------------------------------------------------------------------------------------------
     def tangent(self, x) -> torch.Tensor | None:
@@ -140,13 +158,25 @@ class TangentCarrier(TorchFunctionMode):
             if cache is None:
                 return self._make_tangent(j)
             t = cache.get(j)
-            if t is None:
-                t = cache[j] = self._make_tangent(j)
+            if t is None:  # (many: one op where make_tangent allocates and fills in two)
+                t = cache[j] = self._make_tangent(j) if self._make_tangents is None else self._make_tangents([j])[0]
             return t
         entry = self._entries.get(id(x))
         if entry is not None and entry.ref() is x:
+            if type(entry.tangent) is _LazyView:  # made at its first read, kept for the next
+                entry.tangent = entry.tangent.of(x)
             return entry.tangent
         return None
+
+    def _lazy_root(self, x: torch.Tensor) -> _LazyView | None:
+        """x's tangent as a lazy view's root: x's own lazy view, or its tangent where that is laid out as x."""
+        entry = self._entries.get(id(x))
+        if entry is not None and entry.ref() is x and type(entry.tangent) is _LazyView:
+            return entry.tangent
+        t = self.tangent(x)
+        if t is None or t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype:
+            return None
+        return _LazyView(t, t.storage_offset() - x.storage_offset())
 
     def _carries(self, values) -> bool:
         index, entries = self._index, self._entries
@@ -260,6 +290,12 @@ class TangentCarrier(TorchFunctionMode):
     # -- carried rules -----------------------------------------------------------------------------------------
     def apply_rule(self, rule, args):
         """A lean rule of :mod:`fgfw.lean` on the primals and the carried tangents (its ``forward`` and ``jvp``)."""
+        cache = self._param_tangents
+        if self._make_tangents is not None and cache is not None:  # a layer's weight and bias: drawn together
+            wanted = list(dict.fromkeys(j for a in args if isinstance(a, torch.Tensor)
+                                        for j in (self._index.get(id(a)),) if j is not None and j not in cache))
+            if len(wanted) > 1:
+                cache.update(zip(wanted, self._make_tangents(wanted)))
         tangents = [self.tangent(a) if isinstance(a, torch.Tensor) else None for a in args]
         if all(t is None for t in tangents):
             return rule.forward(*args)
@@ -282,6 +318,16 @@ class TangentCarrier(TorchFunctionMode):
         out = func(*args, **kwargs)
         if out is x:  # contiguous() of a contiguous tensor, to() of its own dtype: the tangent stays
             return out
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        storage = x.untyped_storage().data_ptr()
+        if storage and all(isinstance(o, torch.Tensor) and o._is_view() and o.dtype == x.dtype and
+                           o.untyped_storage().data_ptr() == storage for o in outs):
+            root = self._lazy_root(x)  # a view of x: its tangent is the same view of x's, made when read
+            if root is not None:
+                self._mark_aliased(x)
+                for o in outs:
+                    self.record(o, root, owned=False, aliased=True)
+                return out
         t = self.tangent(x)
         try:
             out_t = func(t, *args[1:], **kwargs)
@@ -349,10 +395,23 @@ class TangentCarrier(TorchFunctionMode):
         if not isinstance(tensors, (list, tuple)):
             return self._with_duals(func, args, kwargs)
         out = func(*args, **kwargs)
-        tangents = []
+        stack = _name(func) == "stack"
+        tangents, sources = [], []
         for x in tensors:
             t = self.tangent(x) if isinstance(x, torch.Tensor) else None
-            tangents.append(torch.zeros_like(x) if t is None else t)
+            if t is None:
+                if not stack and isinstance(x, torch.Tensor) and x.numel() == 0:
+                    continue  # adds nothing along the dimension (an empty key-value cache)
+                t = torch.zeros_like(x)
+            tangents.append(t)
+            sources.append(x)
+        if not stack and len(tangents) == 1 and tangents[0].shape == out.shape:
+            # the one input that adds anything: its tangent is the output's, shared, so written by neither
+            entry = self._entries.get(id(sources[0]))
+            if entry is not None and entry.ref() is sources[0]:
+                entry.owned = False
+            self.record(out, tangents[0], owned=False)
+            return out
         rest = dict(kwargs)
         rest.pop("tensors", None)
         self.record(out, func(tangents, *args[1:], **rest))
