@@ -220,7 +220,10 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
                                       plan.tangent_backends[out.device])
 
         def tangent_maker(tangent_id: int):
-            return lambda j: fill(torch.empty_like(params[j]), offsets[id(params[j])], tangent_id)
+            return _TangentMaker(params, offsets, tangent_id, fill,
+                                 lambda likes, starts: _ops.tangents_at_step(
+                                     likes, self.seed, k.to(likes[0].device), tangent_id, starts, distribution,
+                                     plan.tangent_backends[likes[0].device]))
 
         if self.estimator == "activity":
             return self._activity_step(plan, k, params, closure, fill, weight)
@@ -244,6 +247,9 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             loss, coeffs = derivative.batched(self.module, params, lambda j: torch.stack([make(j) for make in makers]),
                                               closure, len(makers))
             return loss, coeffs.reshape(-1).to(torch.float64)
+        if len(makers) == 1:
+            loss, c = derivative(self.module, params, makers[0], closure)
+            return loss, c.to(torch.float64).reshape(1)
         loss, coeffs = None, []
         for make in makers:
             loss_t, c = derivative(self.module, params, make, closure)
@@ -309,8 +315,10 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
     def _coefficient_update(self, plan: planning.Plan, k: torch.Tensor, coeffs: torch.Tensor) -> None:
         """What a step does after its forward passes: the update from the directional derivatives ``coeffs``
         (float64, one per tangent), skipped on the device where one is not finite (check_finite)."""
-        nonfinite = ~torch.isfinite(coeffs).all() if self.check_finite else None
-        self._apply(plan, k, nonfinite, grads=None, tangent_coeffs=coeffs / self.num_tangents, seed=self.seed,
+        # c * 0 is 0 for a finite c and NaN for inf or NaN: three ops where ~isfinite(c).all() dispatches six
+        nonfinite = torch.mul(coeffs, 0).ne_(0).any() if self.check_finite else None
+        mean = coeffs if self.num_tangents == 1 else coeffs / self.num_tangents
+        self._apply(plan, k, nonfinite, grads=None, tangent_coeffs=mean, seed=self.seed,
                     distribution=reference.DISTRIBUTIONS[self.tangent])
         self._check_replicas(k)
 
@@ -517,3 +525,23 @@ class AFGFW(_ForwardGradientFrankWolfe):
 
     def _averaging_weight(self, group: dict, k: torch.Tensor) -> float | torch.Tensor:
         return schedules.evaluate(group["averaging_weight"], k, "averaging_weight")
+
+
+class _TangentMaker:
+    """Tangent ``tangent_id`` of a step on ``params[j]``: ``maker(j)``, and ``maker.many(js)`` for several
+    parameters at once (one op, where they share a device; the lean engine asks so for a layer's weight and bias)."""
+
+    __slots__ = ("params", "offsets", "tangent_id", "fill", "draw")
+
+    def __init__(self, params, offsets, tangent_id: int, fill, draw):
+        self.params, self.offsets, self.tangent_id, self.fill, self.draw = params, offsets, tangent_id, fill, draw
+
+    def __call__(self, j: int) -> torch.Tensor:
+        p = self.params[j]
+        return self.fill(torch.empty_like(p), self.offsets[id(p)], self.tangent_id)
+
+    def many(self, js: list) -> list:
+        likes = [self.params[j] for j in js]
+        if any(p.device != likes[0].device for p in likes):
+            return [self(j) for j in js]
+        return self.draw(likes, [self.offsets[id(p)] for p in likes])

@@ -260,7 +260,10 @@ class _FrankWolfeBase(torch.optim.Optimizer):
         if nonfinite is None:
             return None
         first = self._nonfinite["first"]
-        torch.maximum(first, nonfinite.to(first.device, torch.float64) * k, out=first)
+        if nonfinite.device != first.device:
+            nonfinite = nonfinite.to(first.device)
+        # k, not max(first, k): the counter stays at a skipped step's k - 1, so k >= first (one op, not three)
+        torch.where(nonfinite, k, first, out=first)
         return first
 
     def _after_step(self, skip: torch.Tensor | None) -> None:

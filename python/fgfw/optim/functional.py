@@ -28,11 +28,13 @@ def schedules_of(plan: Plan, k: torch.Tensor, *, schedule_key: Callable[[dict], 
     that must write nothing: the deferred finite check) is appended as a 4th element, read by the ops on the
     device (reference.schedule_values).
 
-    On the CPU the counter is read on the host (free) and the three numbers are written at once; on a
+    On the CPU the counter (and a skip flag there) is read on the host (free) and the numbers are written at once; on a
     GPU, and under torch.compile, they are made on the device from the counter (schedules.evaluate), with
     no host-to-device copy nor synchronisation, so that a step can be captured. Both give the same bits, on
     any machine: a named schedule is the same sequence of IEEE operations either way (fgfw.schedules)."""
     host_k = int(k) if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
+    # a skip flag on the CPU is read there too (free), so that a CPU call's four numbers are one tensor made at once
+    host_skip = float(skip) if host_k is not None and skip is not None and skip.device.type == "cpu" else None
     device_k = None
     made: dict[tuple, torch.Tensor] = {}
     out = []
@@ -41,15 +43,18 @@ def schedules_of(plan: Plan, k: torch.Tensor, *, schedule_key: Callable[[dict], 
         memo = (call.device, schedule_key(group))
         if memo not in made:
             if host_k is not None and call.device.type == "cpu":
-                made[memo] = torch.tensor([host_k, schedules.evaluate(group["step_size"], host_k, "step_size"),
-                                           averaging_weight(group, host_k)], dtype=torch.float64)
+                values = [host_k, schedules.evaluate(group["step_size"], host_k, "step_size"),
+                          averaging_weight(group, host_k)]
+                if host_skip is not None:
+                    values.append(host_skip)
+                made[memo] = torch.tensor(values, dtype=torch.float64)
             else:
                 if device_k is None:
                     device_k = k.to(torch.float64)  # named schedules stay on the counter's device
                 values = (device_k, schedules.evaluate(group["step_size"], device_k, "step_size"),
                           averaging_weight(group, device_k))
                 made[memo] = torch.stack([device_scalar(x, call.device) for x in values])
-            if skip is not None:
+            if skip is not None and made[memo].numel() == 3:
                 made[memo] = torch.cat([made[memo], skip.to(call.device, torch.float64).reshape(1)])
         out.append(made[memo])
     return out
@@ -93,20 +98,36 @@ def forward_gradients(call: Call, coeffs: torch.Tensor, k: torch.Tensor, seed: i
     return out
 
 
+_FLOAT32_LIKES: dict = {}
+
+
+def _float32_like(numel: int, device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``numel`` elements on ``device`` to draw a run's tangent like (one element, expanded:
+    tangents_at_step allocates a contiguous buffer for it and fills it, one op where empty + fill are two)."""
+    like = _FLOAT32_LIKES.get((numel, device))
+    if like is None:
+        like = _FLOAT32_LIKES[(numel, device)] = torch.empty(1, dtype=torch.float32, device=device).expand(numel)
+    return like
+
+
 def run_forward_gradients(call: Call, coeffs: torch.Tensor, k: torch.Tensor, seed: int,
-                          distribution: int) -> list[torch.Tensor]:
+                          distribution: int, memo: dict | None = None) -> list[torch.Tensor]:
     """forward_gradients of an unconstrained call, flat, in multi-tensor ops: each run of consecutive places in the
     tangent stream (Call.runs) is drawn in one fill per tangent and split into its tensors, so that the number of
-    ops does not grow with the number of tensors. The same arithmetic, so the same bits."""
+    ops does not grow with the number of tensors. The same arithmetic, so the same bits. ``memo``: kept between
+    the calls of one step (the coefficients in each compute dtype, converted once)."""
     out: list[torch.Tensor] = []
-    cs = coeffs.to(call.dtype).unbind()
+    memo = {} if memo is None else memo
+    cs = memo.get(("coefficients", coeffs.device, call.dtype))
+    if cs is None:
+        cs = memo[("coefficients", coeffs.device, call.dtype)] = coeffs.to(call.dtype).unbind()
     for first, sizes in call.runs:
         g = None
         for t, c in enumerate(cs):
             # a buffer per tangent: under torch.compile a refilled buffer was read after its refill (Inductor fused
             # the first tangent's term into a later kernel), and every term drew the last tangent
-            buffer = torch.empty(sum(sizes), dtype=torch.float32, device=call.device)
-            u = _ops.fill_tangent_(buffer, seed, k.to(call.device), t, first, distribution, call.backend)
+            u = _ops.tangents_at_step([_float32_like(sum(sizes), call.device)], seed, k.to(call.device), t, [first],
+                                      distribution, call.backend)[0]
             u = u if call.dtype == torch.float32 else u.to(call.dtype)
             term = torch._foreach_mul(list(u.split(sizes)[::2]), c)  # the tensors, not the padding between
             g = term if g is None else torch._foreach_add(g, term)
@@ -139,6 +160,7 @@ def fw_step(plan: Plan, schedule: list[torch.Tensor], k: torch.Tensor, *, grads:
     step; ``state`` is the optimizer's (the nuclear-norm ball's warm start). Returns the Frank-Wolfe gap summed
     over the calls, on the first call's device (no host synchronisation)."""
     coeffs_on = {} if tangent_coeffs is not None else plan.no_coeffs
+    memo: dict = {}
     gaps = []
     seed = _ops._int64(int(seed))
     for c, call in enumerate(plan.calls):
@@ -170,7 +192,7 @@ def fw_step(plan: Plan, schedule: list[torch.Tensor], k: torch.Tensor, *, grads:
                 _ops.gradient_step_(call.targets, call.moms, grads[c], schedule[c], call.backend)
             else:  # flat: the forward gradient is drawn one run of the tangent stream at a time
                 _ops.gradient_step_(call.flat_targets, call.flat_moms,
-                                    run_forward_gradients(call, coeffs, k, seed, distribution), schedule[c],
+                                    run_forward_gradients(call, coeffs, k, seed, distribution, memo), schedule[c],
                                     call.backend)
         else:
             call_grads = grads[c] if grads is not None else forward_gradients(call, coeffs, k, seed, distribution)
