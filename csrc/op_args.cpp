@@ -56,9 +56,11 @@ void check_step_tensor(const at::Tensor& out, const at::Tensor& step) {
               out.device(), " like out, or on the CPU, got ", step.device());
 }
 
-void check_tangents_args(at::TensorList likes, c10::IntArrayRef offsets) {
+void check_tangents_args(at::TensorList likes, c10::IntArrayRef tangent_ids, c10::IntArrayRef offsets) {
   TORCH_CHECK(likes.size() == offsets.size(), "tangents_at_step: one offset per tensor of likes, got ",
               offsets.size(), " offsets for ", likes.size(), " tensors");
+  TORCH_CHECK(likes.size() == tangent_ids.size(), "tangents_at_step: one tangent id per tensor of likes, got ",
+              tangent_ids.size(), " tangent ids for ", likes.size(), " tensors");
   for (const auto& like : likes) {
     TORCH_CHECK(like.device() == likes[0].device(), "tangents_at_step: every tensor of likes must be on ",
                 likes[0].device(), ", got one on ", like.device());

@@ -19,8 +19,8 @@ void check_fill_tangent_args(const at::Tensor& out, int64_t offset, int64_t dist
 // The step tensor of fill_tangent_at_step_: a 0-dim int64 tensor on out's device or on the CPU.
 void check_step_tensor(const at::Tensor& out, const at::Tensor& step);
 
-// tangents_at_step: one offset per tensor of likes, all of them on one device.
-void check_tangents_args(at::TensorList likes, c10::IntArrayRef offsets);
+// tangents_at_step: one tangent id and one offset per tensor of likes, all of them on one device.
+void check_tangents_args(at::TensorList likes, c10::IntArrayRef tangent_ids, c10::IntArrayRef offsets);
 
 // Same for the steps (op: l1_fw_step_, linf_fw_step_, lp_fw_step_ or ksparse_fw_step_, named in the
 // messages); every tensor must be on the device of params[0] (of schedule when params is empty). Does

@@ -11,9 +11,10 @@ TORCH_LIBRARY(fgfw, m) {
   m.def("fill_tangent_at_step_(Tensor(a!) out, int seed, Tensor step, int tangent_id, int offset, "
         "int distribution) -> ()");
   // New tensors, one per tensor of likes (its shape, dtype, device and memory format), each filled as
-  // fill_tangent_at_step_ fills it from its offset: the tangents of a layer's parameters in one dispatch
-  // (the lean engine's just-in-time tangents), not an allocation and a fill for each.
-  m.def("tangents_at_step(Tensor[] likes, int seed, Tensor step, int tangent_id, int[] offsets, "
+  // fill_tangent_at_step_ fills it with tangent tangent_ids[i] from offsets[i]: the tangents of a layer's
+  // parameters (the lean engine's just-in-time tangents), or the K tangents of one parameter, in one
+  // dispatch, not an allocation and a fill for each.
+  m.def("tangents_at_step(Tensor[] likes, int seed, Tensor step, int[] tangent_ids, int[] offsets, "
         "int distribution) -> Tensor[]");
   // One fused Frank-Wolfe step over L1 ball(s) for a group of same-device, same-dtype tensors.
   // schedule: float64 (step, alpha, gamma) or (step, alpha, gamma, skip) on the params' device, read there (a

@@ -280,14 +280,21 @@ def _assert_tangents_are_one_fill_each(backend, device="cpu"):
     likes, offsets = _likes(device)
     step = torch.tensor(5, device=device)
     for distribution in (GAUSSIAN, RADEMACHER):
-        out = _ops.tangents_at_step(likes, 13, step, 1, offsets, distribution, backend)
+        ids = [1, 0, 3, 1]
+        out = _ops.tangents_at_step(likes, 13, step, ids, offsets, distribution, backend)
         assert len(out) == len(likes)
-        for like, offset, t in zip(likes, offsets, out):
+        for like, tangent_id, offset, t in zip(likes, ids, offsets, out):
             assert (t.shape, t.dtype, t.device, t.stride()) == (like.shape, like.dtype, like.device, like.stride())
             assert t.data_ptr() != like.data_ptr() and not t.requires_grad
-            one = _ops.fill_tangent_(torch.empty_like(like), 13, step, 1, offset, distribution, backend)
+            one = _ops.fill_tangent_(torch.empty_like(like), 13, step, tangent_id, offset, distribution, backend)
             assert torch.equal(t, one)
-            _assert_matches_reference(t.reshape(-1), like.numel(), 13, 5, 1, offset, distribution)
+            _assert_matches_reference(t.reshape(-1), like.numel(), 13, 5, tangent_id, offset, distribution)
+        # one parameter's K tangents (the batched pass's draw): K tensors, each tangent t of that place
+        out = _ops.tangents_at_step([likes[0]] * 3, 13, step, [0, 1, 2], [offsets[0]] * 3, distribution, backend)
+        for t, tangent_id in zip(out, [0, 1, 2]):
+            assert torch.equal(t, _ops.fill_tangent_(torch.empty_like(likes[0]), 13, step, tangent_id, offsets[0],
+                                                     distribution, backend))
+        assert not torch.equal(out[0], out[1])
 
 
 def test_cpu_tangents_at_step_are_one_fill_each(fgfw_ops):
@@ -301,10 +308,12 @@ def test_reference_tangents_at_step_are_one_fill_each():
 def test_cpu_tangents_at_step_checks_its_arguments(fgfw_ops):
     likes, _ = _likes()
     with pytest.raises(RuntimeError, match="one offset per tensor of likes, got 2 offsets for 4 tensors"):
-        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1), 0, [0, 4], GAUSSIAN)
+        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1), [0] * 4, [0, 4], GAUSSIAN)
+    with pytest.raises(RuntimeError, match="one tangent id per tensor of likes, got 1 tangent ids for 4 tensors"):
+        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1), [0], [0, 16, 24, 52], GAUSSIAN)
     with pytest.raises(RuntimeError, match="step must be an int64 tensor of one element"):
-        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1.0), 0, [0, 16, 24, 52], GAUSSIAN)
-    assert fgfw_ops.tangents_at_step([], 0, torch.tensor(1), 0, [], GAUSSIAN) == []
+        fgfw_ops.tangents_at_step(likes, 0, torch.tensor(1.0), [0] * 4, [0, 16, 24, 52], GAUSSIAN)
+    assert fgfw_ops.tangents_at_step([], 0, torch.tensor(1), [], [], GAUSSIAN) == []
 
 
 def test_tangents_at_step_fake_describes_its_outputs(fgfw_ops):
@@ -312,7 +321,8 @@ def test_tangents_at_step_fake_describes_its_outputs(fgfw_ops):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         likes = [mode.from_tensor(t) for t in _likes()[0]]
-        out = fgfw_ops.tangents_at_step(likes, 0, mode.from_tensor(torch.tensor(1)), 0, [0, 16, 24, 52], GAUSSIAN)
+        out = fgfw_ops.tangents_at_step(likes, 0, mode.from_tensor(torch.tensor(1)), [0] * 4, [0, 16, 24, 52],
+                                        GAUSSIAN)
     assert [(t.shape, t.dtype, t.stride()) for t in out] == [(t.shape, t.dtype, t.stride()) for t in likes]
 
 

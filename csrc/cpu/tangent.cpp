@@ -67,8 +67,9 @@ void fill_tangent_at_step_cpu(const at::Tensor& out, int64_t seed, const at::Ten
 }
 
 std::vector<at::Tensor> tangents_at_step_cpu(at::TensorList likes, int64_t seed, const at::Tensor& step,
-                                             int64_t tangent_id, at::IntArrayRef offsets, int64_t distribution) {
-  check_tangents_args(likes, offsets);
+                                             at::IntArrayRef tangent_ids, at::IntArrayRef offsets,
+                                             int64_t distribution) {
+  check_tangents_args(likes, tangent_ids, offsets);
   std::vector<at::Tensor> out;
   out.reserve(likes.size());
   if (likes.empty()) return out;
@@ -76,7 +77,7 @@ std::vector<at::Tensor> tangents_at_step_cpu(at::TensorList likes, int64_t seed,
   const int64_t at_step = step.item<int64_t>();
   for (size_t i = 0; i < likes.size(); ++i) {
     out.push_back(at::empty_like(likes[i]));
-    fill_tangent_cpu(out.back(), seed, at_step, tangent_id, offsets[i], distribution);
+    fill_tangent_cpu(out.back(), seed, at_step, tangent_ids[i], offsets[i], distribution);
   }
   return out;
 }

@@ -98,13 +98,14 @@ void fill_tangent_at_step_cuda(const at::Tensor& out, int64_t seed, const at::Te
 }
 
 std::vector<at::Tensor> tangents_at_step_cuda(at::TensorList likes, int64_t seed, const at::Tensor& step,
-                                              int64_t tangent_id, at::IntArrayRef offsets, int64_t distribution) {
-  check_tangents_args(likes, offsets);
+                                              at::IntArrayRef tangent_ids, at::IntArrayRef offsets,
+                                              int64_t distribution) {
+  check_tangents_args(likes, tangent_ids, offsets);
   std::vector<at::Tensor> out;
   out.reserve(likes.size());
   for (size_t i = 0; i < likes.size(); ++i) {
     out.push_back(at::empty_like(likes[i]));
-    fill_tangent_at_step_cuda(out.back(), seed, step, tangent_id, offsets[i], distribution);
+    fill_tangent_at_step_cuda(out.back(), seed, step, tangent_ids[i], offsets[i], distribution);
   }
   return out;
 }

@@ -55,7 +55,7 @@ def _gradient_step_fake(params, momentum, grads, schedule) -> None:
 
 
 @torch.library.register_fake("fgfw::tangents_at_step")
-def _tangents_at_step_fake(likes, seed, step, tangent_id, offsets, distribution) -> list[torch.Tensor]:
+def _tangents_at_step_fake(likes, seed, step, tangent_ids, offsets, distribution) -> list[torch.Tensor]:
     # new tensors shaped, typed and laid out as likes
     return [torch.empty_like(like) for like in likes]
 

@@ -207,19 +207,20 @@ def fill_tangent_(out: torch.Tensor, seed: int, step: int | torch.Tensor, tangen
     return out
 
 
-def tangents_at_step(likes: list[torch.Tensor], seed: int, step: torch.Tensor, tangent_id: int, offsets: list[int],
-                     distribution: int, backend: str) -> list[torch.Tensor]:
-    """New tensors, one per tensor of ``likes`` (its shape, dtype, device, layout), each holding the tangent stream
-    of step ``step`` (the optimizers' counter, a 0-dim int64 tensor) from its offset, as :func:`fill_tangent_`
-    writes it into ``torch.empty_like(like)``: one dispatch for them all on the compiled and Triton backends."""
+def tangents_at_step(likes: list[torch.Tensor], seed: int, step: torch.Tensor, tangent_ids: list[int],
+                     offsets: list[int], distribution: int, backend: str) -> list[torch.Tensor]:
+    """New tensors, one per tensor of ``likes`` (its shape, dtype, device, layout), each holding tangent
+    ``tangent_ids[i]`` of step ``step`` (the optimizers' counter, a 0-dim int64 tensor) from ``offsets[i]``, as
+    :func:`fill_tangent_` writes it into ``torch.empty_like(like)``: one dispatch for them all on the compiled and
+    Triton backends."""
     seed = _int64(int(seed))
     if backend in ("cpu", "cuda"):
-        return torch.ops.fgfw.tangents_at_step(likes, seed, step, tangent_id, offsets, distribution)
+        return torch.ops.fgfw.tangents_at_step(likes, seed, step, tangent_ids, offsets, distribution)
     if backend == "triton":
         _require_triton()
-        return torch.ops.fgfw_triton.tangents_at_step(likes, seed, step, tangent_id, offsets, distribution)
+        return torch.ops.fgfw_triton.tangents_at_step(likes, seed, step, tangent_ids, offsets, distribution)
     return [fill_tangent_(torch.empty_like(like), seed, step, tangent_id, offset, distribution, backend)
-            for like, offset in zip(likes, offsets)]
+            for like, tangent_id, offset in zip(likes, tangent_ids, offsets)]
 
 
 def l1_fw_step_(params, momentum, grads, schedule, tangent_coeffs, radii, global_ball, offsets, seed, distribution,

@@ -219,11 +219,14 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             return _ops.fill_tangent_(out, self.seed, k.to(out.device), tangent_id, offset, distribution,
                                       plan.tangent_backends[out.device])
 
+        def draw(likes: list, tangent_ids: list, starts: list) -> list:
+            """New tensors laid out as ``likes`` (one device), holding tangents ``tangent_ids`` of step k from
+            ``starts``: one op."""
+            return _ops.tangents_at_step(likes, self.seed, k.to(likes[0].device), tangent_ids, starts, distribution,
+                                         plan.tangent_backends[likes[0].device])
+
         def tangent_maker(tangent_id: int):
-            return _TangentMaker(params, offsets, tangent_id, fill,
-                                 lambda likes, starts: _ops.tangents_at_step(
-                                     likes, self.seed, k.to(likes[0].device), tangent_id, starts, distribution,
-                                     plan.tangent_backends[likes[0].device]))
+            return _TangentMaker(params, offsets, tangent_id, fill, draw)
 
         if self.estimator == "activity":
             return self._activity_step(plan, k, params, closure, fill, weight)
@@ -244,8 +247,12 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         on ``params[j]``): one forward pass each, or all in one (tangents_in_one_pass)."""
         derivative = forward_grad.ENGINES[self.engine]
         if self.tangents_in_one_pass and len(makers) > 1:
-            loss, coeffs = derivative.batched(self.module, params, lambda j: torch.stack([make(j) for make in makers]),
-                                              closure, len(makers))
+            if all(isinstance(make, _TangentMaker) for make in makers):  # a parameter's K tangents in one op
+                ids = [make.tangent_id for make in makers]
+                stacked = lambda j: torch.stack(makers[0].draws(j, ids))  # noqa: E731
+            else:
+                stacked = lambda j: torch.stack([make(j) for make in makers])  # noqa: E731
+            loss, coeffs = derivative.batched(self.module, params, stacked, closure, len(makers))
             return loss, coeffs.reshape(-1).to(torch.float64)
         if len(makers) == 1:
             loss, c = derivative(self.module, params, makers[0], closure)
@@ -544,4 +551,9 @@ class _TangentMaker:
         likes = [self.params[j] for j in js]
         if any(p.device != likes[0].device for p in likes):
             return [self(j) for j in js]
-        return self.draw(likes, [self.offsets[id(p)] for p in likes])
+        return self.draw(likes, [self.tangent_id] * len(likes), [self.offsets[id(p)] for p in likes])
+
+    def draws(self, j: int, tangent_ids: list) -> list:
+        """Tangents ``tangent_ids`` of ``params[j]`` (the K tangents of a pass that carries them all), in one op."""
+        p = self.params[j]
+        return self.draw([p] * len(tangent_ids), list(tangent_ids), [self.offsets[id(p)]] * len(tangent_ids))

@@ -126,7 +126,7 @@ def run_forward_gradients(call: Call, coeffs: torch.Tensor, k: torch.Tensor, see
         for t, c in enumerate(cs):
             # a buffer per tangent: under torch.compile a refilled buffer was read after its refill (Inductor fused
             # the first tangent's term into a later kernel), and every term drew the last tangent
-            u = _ops.tangents_at_step([_float32_like(sum(sizes), call.device)], seed, k.to(call.device), t, [first],
+            u = _ops.tangents_at_step([_float32_like(sum(sizes), call.device)], seed, k.to(call.device), [t], [first],
                                       distribution, call.backend)[0]
             u = u if call.dtype == torch.float32 else u.to(call.dtype)
             term = torch._foreach_mul(list(u.split(sizes)[::2]), c)  # the tensors, not the padding between

@@ -43,22 +43,23 @@ def _(out, seed, step, tangent_id, offset, distribution) -> None:
 
 
 @torch.library.custom_op(f"{NAMESPACE}::tangents_at_step", mutates_args=())
-def tangents_at_step(likes: list[torch.Tensor], seed: int, step: torch.Tensor, tangent_id: int, offsets: list[int],
-                     distribution: int) -> list[torch.Tensor]:
+def tangents_at_step(likes: list[torch.Tensor], seed: int, step: torch.Tensor, tangent_ids: list[int],
+                     offsets: list[int], distribution: int) -> list[torch.Tensor]:
     """New tensors shaped as ``likes``, each filled by ``fill_tangent_at_step_`` from its offset, as one custom op
     (the C++ op ``fgfw::tangents_at_step``'s contract)."""
-    if len(likes) != len(offsets):
-        raise RuntimeError(f"tangents_at_step: one offset per tensor of likes, got {len(offsets)} offsets for "
-                           f"{len(likes)} tensors")
+    for name, values in (("offset", offsets), ("tangent id", tangent_ids)):
+        if len(likes) != len(values):
+            raise RuntimeError(f"tangents_at_step: one {name} per tensor of likes, got {len(values)} {name}s for "
+                               f"{len(likes)} tensors")
     out = []
-    for like, offset in zip(likes, offsets):
+    for like, tangent_id, offset in zip(likes, tangent_ids, offsets):
         out.append(torch.empty_like(like))
         tangent.fill_tangent_at_step_(out[-1], seed, step, tangent_id, offset, distribution)
     return out
 
 
 @tangents_at_step.register_fake
-def _(likes, seed, step, tangent_id, offsets, distribution) -> list[torch.Tensor]:
+def _(likes, seed, step, tangent_ids, offsets, distribution) -> list[torch.Tensor]:
     return [torch.empty_like(like) for like in likes]
 
 
