@@ -19,6 +19,10 @@ at the pre-trained weights (param group ``center="init"``): each row may move by
 pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step. ``afgfw_k2_centred``
 and ``afgfw_guided_centred`` (issue 31, item 3) are ``afgfw_centred`` with two tangents per step, plain and
 guided (AFGFW's ``guided=True``: one tangent along the running direction v, one random tangent orthogonal to it).
+The ``*_subset`` methods (issue 31, BitFit-style) fine-tune only ``subset_params(model, SUBSET)`` (``--subset``:
+every LayerNorm weight and bias and every bias, 3,584 of the text model's 0.44 M parameters, or that plus ``wpe`` or
+the attention's output projections) and freeze the rest: the forward-gradient methods perturb and step only the
+subset (one param group), MeZO perturbs only it; ``adam_subset`` is the subset's ceiling with backprop.
 
 Budgets. Forward passes: a backprop step counts 1 (its backward is not counted), a forward-gradient step
 with one tangent 1, with two tangents 2, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
@@ -33,6 +37,10 @@ each run.
 
     python bench/finetune.py --task mnist --data ../shared/data/mnist
     python bench/finetune.py --task text
+    python bench/finetune.py --task text --methods adam_subset,mezo_subset,afgfw_subset_centred --suffix _subset \
+        --pretrained /tmp/pretrained_text.pt     # pre-trains once, later invocations load it
+
+``--pretrained FILE`` caches the pre-trained model (deterministic, so the cached model is the one a run would make).
 
 Writes ``finetune_<task>.csv`` (every run's end: validation, and test for the final runs) and
 ``finetune_<task>_curves.csv`` into ``--out``, and ``finetune_<task>.png`` into ``--figures``.
@@ -85,7 +93,8 @@ from mezo import MeZO  # noqa: E402
 
 METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
            "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
-           "afgfw_guided_centred")
+           "afgfw_guided_centred", "adam_subset", "mezo_subset", "frankwolfe_subset_centred", "fgfw_subset_centred",
+           "afgfw_subset_centred", "afgfw_k2_subset_centred", "afgfw_guided_subset_centred")
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -107,10 +116,24 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # two tangents (issue 31, item 3), plain and guided: around the one-tangent centred AFGFW's choice, 1e-4
     "afgfw_k2_centred": (3e-5, 1e-4, 3e-4),
     "afgfw_guided_centred": (3e-5, 1e-4, 3e-4),
+    # a subset of the parameters (SUBSET; issue 31): fixed before any subset run. Adam and MeZO one decade above
+    # their full-model choices at the centre (a few thousand parameters take larger steps: BitFit's rates are
+    # 1e-3-1e-2); the Frank-Wolfe methods from their centred full-model choice upwards, since an estimate over ~100x
+    # fewer parameters has ~100x less variance and should bear a larger alpha
+    "adam_subset": (3e-3, 1e-2, 3e-2),
+    "mezo_subset": (1e-4, 1e-3, 1e-2),
+    "frankwolfe_subset_centred": (1e-3, 3e-3, 1e-2),
+    "fgfw_subset_centred": (3e-5, 1e-4, 3e-4),
+    "afgfw_subset_centred": (1e-4, 3e-4, 1e-3),
+    "afgfw_k2_subset_centred": (1e-4, 3e-4, 1e-3),
+    "afgfw_guided_subset_centred": (1e-4, 3e-4, 1e-3),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
-PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2}  # every other method: 1
+PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2, "mezo_subset": 2,
+                   "afgfw_k2_subset_centred": 2, "afgfw_guided_subset_centred": 2}  # every other method: 1
+# the *_subset methods' parameters (subset_params' kind), chosen by Adam's validation loss (bench/RESULTS.md)
+SUBSET = "ln_bias"
 SEEDS = (0, 1, 2)
 # the step sizes the text task chose on its validation split (bench/RESULTS.md, "Text" and the sections after it):
 # --model gpt2-small's fixed settings
@@ -228,21 +251,53 @@ class MnistTask(Task):
 
 
 # -- methods -----------------------------------------------------------------------------------------------------------
+SUBSET_KINDS = ("ln_bias", "ln_bias_wpe", "ln_bias_attn_proj")
+
+
+def subset_params(model: nn.Module, kind: str = "ln_bias") -> list[nn.Parameter]:
+    """The parameters a ``*_subset`` method fine-tunes (BitFit-style), in ``model.parameters()`` order.
+
+    ``kind``: ``"ln_bias"``, every parameter of every ``nn.LayerNorm`` (weight and bias) and every parameter
+    whose name ends in ``bias`` (on the text task's GPT-2: 3,584 of 0.44 M); ``"ln_bias_wpe"`` adds the position
+    embedding (``wpe``, 8,192 more); ``"ln_bias_attn_proj"`` adds the attention's output projections (the
+    weights of the modules ``*.attn.c_proj``, 32,768 more). Picked by module type and parameter name, not by shape: a tied or
+    shared parameter appears once."""
+    if kind not in SUBSET_KINDS:
+        raise ValueError(f"kind must be one of {SUBSET_KINDS}, got {kind!r}")
+    chosen = set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if (isinstance(module, nn.LayerNorm) or name == "bias"
+                    or (kind == "ln_bias_wpe" and module_name.split(".")[-1] == "wpe")
+                    or (kind == "ln_bias_attn_proj" and module_name.endswith("attn.c_proj"))):
+                chosen.add(id(p))
+    return [p for p in model.parameters() if id(p) in chosen]
+
+
 def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int):
-    """step(batch) -> training loss of one step of ``method``."""
+    """step(batch) -> training loss of one step of ``method``.
+
+    A ``_subset`` method freezes (``requires_grad=False``) every parameter of ``model`` outside
+    ``subset_params(model, SUBSET)``: backprop computes no gradient for them, MeZO and the forward-gradient
+    optimizers never perturb nor move them."""
     import fgfw
 
+    if "_subset" in method:
+        keep = {id(p) for p in subset_params(model, SUBSET)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in keep)
+        method = method.replace("_subset", "")
+    params = [p for p in model.parameters() if p.requires_grad]
     if method == "mezo":
-        opt = MeZO(model.parameters(), lr=step_size, eps=1e-3, seed=seed)
+        opt = MeZO(params, lr=step_size, eps=1e-3, seed=seed)
         return lambda batch: opt.step(lambda: task.loss(model, batch))
     centred = method.endswith("_centred")
     method = method.removesuffix("_centred")
     # around 0: 2x the pre-trained row norm; centred: the pre-trained row plus CENTRED_SCALE x its norm
     ball = fgfw.L1Ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
-    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "constraint": ball,
-               "center": "init" if centred else None}]
+    groups = [{"params": params, "constraint": ball, "center": "init" if centred else None}]
     if method in ("adam", "frankwolfe"):
-        opt = (torch.optim.Adam(model.parameters(), lr=step_size) if method == "adam" else
+        opt = (torch.optim.Adam(params, lr=step_size) if method == "adam" else
                fgfw.FrankWolfe(groups, constraint=ball, step_size=step_size, momentum=0.9))
 
         def step(batch):
@@ -276,6 +331,25 @@ def pretrain(task: Task) -> nn.Module:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model
+
+
+def pretrain_cached(task: Task, path: str | None, model: str, quick: bool) -> tuple[nn.Module, bool]:
+    """(:func:`pretrain`'s model, whether it came from ``path``). The pre-training is deterministic (seed 0), so a
+    cached copy made with the same task, model, pre-training steps and torch is the model this run would make;
+    another key pre-trains again and replaces the file."""
+    key = dict(task=task.name, model=model, quick=quick, arch=getattr(task, "arch", None),
+               pretrain_steps=task.pretrain_steps, pretrain_lr=task.pretrain_lr, torch=torch.__version__)
+    if path and os.path.exists(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("key") == repr(key):
+            net = task.model()
+            net.load_state_dict(saved["state"])
+            return net.to(task.device), True
+    net = pretrain(task)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(dict(key=repr(key), state=net.state_dict()), path)
+    return net, False
 
 
 def peak_memory(task: Task, start: nn.Module, method: str, step_size: float, steps: int = 2) -> int:
@@ -386,6 +460,7 @@ def compare(task: Task, start: nn.Module, steps: dict[str, float], passes: int, 
 
 
 def main() -> None:
+    global SUBSET  # --subset: make_step reads it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("text", "mnist"), required=True)
     parser.add_argument("--data", default=os.path.join(HERE, "..", "..", "shared", "data", "mnist"),
@@ -410,7 +485,13 @@ def main() -> None:
     parser.add_argument("--grid", action="append", default=[], metavar="METHOD=STEP,STEP,...",
                         help="a method's step sizes for this run instead of GRIDS' (a grid extended past its edge)")
     parser.add_argument("--select-only", action="store_true", help="the step-size selection only, no seeds")
+    parser.add_argument("--subset", choices=SUBSET_KINDS, default=SUBSET,
+                        help=f"the parameters the *_subset methods fine-tune (subset_params; default {SUBSET})")
+    parser.add_argument("--pretrained", default=None, metavar="FILE",
+                        help="a cache of the pre-trained model: loaded when FILE holds one made with the same task, "
+                             "model and pre-training steps, else pre-trained and saved there")
     args = parser.parse_args()
+    SUBSET = args.subset
     comparison = args.model != "byte"
     if args.task != "text" and (comparison or args.device != "cpu"):
         parser.error(f"--model {args.model} --device {args.device}: the text task only (got --task {args.task})")
@@ -442,11 +523,12 @@ def main() -> None:
     from fgfw.experiments import write_csv
 
     began = time.perf_counter()
-    start = pretrain(task)
+    start, cached = pretrain_cached(task, args.pretrained, args.model, args.quick)
     pretrain_seconds = time.perf_counter() - began
     start_val = task.evaluate(start, "val")[0]
-    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps, {pretrain_seconds:.0f} s), validation loss "
-          f"on the new task {start_val:.4f}", flush=True)
+    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps, {pretrain_seconds:.0f} s"
+          f"{', loaded from ' + args.pretrained if cached else ''}), validation loss on the new task {start_val:.4f}",
+          flush=True)
     os.makedirs(args.out, exist_ok=True)
     if comparison:
         name = f"finetune_text_{args.model.replace('-', '_')}_{args.device}{args.suffix}"
