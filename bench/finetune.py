@@ -19,7 +19,8 @@ at the pre-trained weights (param group ``center="init"``): each row may move by
 pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step. ``afgfw_k2_centred``
 and ``afgfw_guided_centred`` (issue 31, item 3) are ``afgfw_centred`` with two tangents per step, plain and
 guided (AFGFW's ``guided=True``: one tangent along the running direction v, one random tangent orthogonal to it).
-``afgfw_avg001_*`` is AFGFW with averaging weight 0.01 instead of 0.1 (a running direction over ~100 estimates).
+``afgfw_avg001_*`` is AFGFW with averaging weight 0.01 instead of 0.1 (a running direction over ~100 estimates),
+``afgfw_l2_*`` AFGFW in L2 balls (per row, 0.5 x the pre-trained row's L2 norm, centred) instead of L1 balls.
 The ``*_subset`` methods (issue 31, BitFit-style) fine-tune only ``subset_params(model, SUBSET)`` (``--subset``:
 every LayerNorm weight and bias and every bias, 3,584 of the text model's 0.44 M parameters, or that plus ``wpe`` or
 the attention's output projections) and freeze the rest: the forward-gradient methods perturb and step only the
@@ -96,7 +97,7 @@ METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "fra
            "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
            "afgfw_guided_centred", "adam_subset", "mezo_subset", "frankwolfe_subset_centred", "fgfw_subset_centred",
            "afgfw_subset_centred", "afgfw_k2_subset_centred", "afgfw_guided_subset_centred",
-           "afgfw_avg001_subset_centred")
+           "afgfw_avg001_subset_centred", "afgfw_l2_subset_centred")
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -133,6 +134,9 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # FrankWolfe on the exact gradient reached 2.54): AFGFW averaging over ~100 estimates instead of ~10; the grid
     # of afgfw_subset_centred
     "afgfw_avg001_subset_centred": (1e-4, 3e-4, 1e-3),
+    # added after that (bench/RESULTS.md): AFGFW in L2 balls, whose vertex -r d / ||d|| follows the whole estimate
+    # where the L1 ball's takes its largest entry; a wide grid, its step lengths being unlike the L1 ball's
+    "afgfw_l2_subset_centred": (1e-4, 1e-3, 1e-2),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
@@ -300,7 +304,8 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     centred = method.endswith("_centred")
     method = method.removesuffix("_centred")
     # around 0: 2x the pre-trained row norm; centred: the pre-trained row plus CENTRED_SCALE x its norm
-    ball = fgfw.L1Ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
+    kind_of_ball = fgfw.L2Ball if method.startswith("afgfw_l2") else fgfw.L1Ball
+    ball = kind_of_ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
     groups = [{"params": params, "constraint": ball, "center": "init" if centred else None}]
     if method in ("adam", "frankwolfe"):
         opt = (torch.optim.Adam(params, lr=step_size) if method == "adam" else

@@ -58,8 +58,8 @@ class LMTask:
 
 
 @pytest.mark.parametrize("method", ["afgfw_subset_centred", "afgfw_k2_subset_centred", "afgfw_guided_subset_centred",
-                                    "afgfw_avg001_subset_centred", "fgfw_subset_centred", "frankwolfe_subset_centred",
-                                    "mezo_subset", "adam_subset"])
+                                    "afgfw_avg001_subset_centred", "afgfw_l2_subset_centred", "fgfw_subset_centred",
+                                    "frankwolfe_subset_centred", "mezo_subset", "adam_subset"])
 def test_subset_method_moves_only_the_subset(method):
     import finetune
 
