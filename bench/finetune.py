@@ -151,7 +151,11 @@ SEEDS = (0, 1, 2)
 # --model gpt2-small's fixed settings
 TEXT_CHOSEN = {"adam": 1e-3, "frankwolfe": 3e-3, "afgfw": 3e-4, "afgfw_activity": 3e-3, "fgfw": 1e-4, "mezo": 1e-4,
                "frankwolfe_centred": 1e-3, "afgfw_centred": 1e-4, "afgfw_activity_centred": 1e-4, "fgfw_centred": 3e-5,
-               "afgfw_activity_rms_centred": 1e-4, "afgfw_k2_centred": 3e-4, "afgfw_guided_centred": 1e-4}
+               "afgfw_activity_rms_centred": 1e-4, "afgfw_k2_centred": 3e-4, "afgfw_guided_centred": 1e-4,
+               # "Text: fine-tuning a subset of the parameters" (guided: at the edge, where it barely moves)
+               "adam_subset": 1e-2, "mezo_subset": 1e-2, "frankwolfe_subset_centred": 3e-3, "fgfw_subset_centred": 1e-4,
+               "afgfw_subset_centred": 3e-4, "afgfw_k2_subset_centred": 1e-4, "afgfw_guided_subset_centred": 3e-6,
+               "afgfw_avg001_subset_centred": 1e-4, "afgfw_l2_subset_centred": 1e-3}
 # --model gpt2-small's methods by default: MeZO first, the yardstick of the ratios
 MEZO_COMPARISON = ("mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred", "adam")
 # --model: (GPT-2 architecture, batch size, context, pre-training steps, pre-training learning rate)
