@@ -19,6 +19,12 @@ at the pre-trained weights (param group ``center="init"``): each row may move by
 pre-trained L1 norm from where it started, instead of being pulled towards 0 by every step. ``afgfw_k2_centred``
 and ``afgfw_guided_centred`` (issue 31, item 3) are ``afgfw_centred`` with two tangents per step, plain and
 guided (AFGFW's ``guided=True``: one tangent along the running direction v, one random tangent orthogonal to it).
+``afgfw_avg001_*`` is AFGFW with averaging weight 0.01 instead of 0.1 (a running direction over ~100 estimates),
+``afgfw_l2_*`` AFGFW in L2 balls (per row, 0.5 x the pre-trained row's L2 norm, centred) instead of L1 balls.
+The ``*_subset`` methods (issue 31, BitFit-style) fine-tune only ``subset_params(model, SUBSET)`` (``--subset``:
+every LayerNorm weight and bias and every bias, 3,584 of the text model's 0.44 M parameters, or that plus ``wpe`` or
+the attention's output projections) and freeze the rest: the forward-gradient methods perturb and step only the
+subset (one param group), MeZO perturbs only it; ``adam_subset`` is the subset's ceiling with backprop.
 
 Budgets. Forward passes: a backprop step counts 1 (its backward is not counted), a forward-gradient step
 with one tangent 1, with two tangents 2, a MeZO step 2 (its two forwards); every method gets ``--passes``. Wall clock: every
@@ -33,6 +39,10 @@ each run.
 
     python bench/finetune.py --task mnist --data ../shared/data/mnist
     python bench/finetune.py --task text
+    # pre-trains once (--pretrained), later invocations load it
+    python bench/finetune.py --task text --methods adam_subset,mezo_subset,afgfw_subset_centred --pretrained /tmp/p.pt
+
+``--pretrained FILE`` caches the pre-trained model (deterministic, so the cached model is the one a run would make).
 
 Writes ``finetune_<task>.csv`` (every run's end: validation, and test for the final runs) and
 ``finetune_<task>_curves.csv`` into ``--out``, and ``finetune_<task>.png`` into ``--figures``.
@@ -85,7 +95,11 @@ from mezo import MeZO  # noqa: E402
 
 METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
            "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
-           "afgfw_guided_centred")
+           "afgfw_guided_centred", "adam_subset", "mezo_subset", "frankwolfe_subset_centred", "fgfw_subset_centred",
+           "afgfw_subset_centred", "afgfw_k2_subset_centred", "afgfw_guided_subset_centred",
+           "afgfw_avg001_subset_centred", "afgfw_l2_subset_centred")
+# a run without --methods: the subset methods (issue 31) are asked for by name
+DEFAULT_METHODS = tuple(m for m in METHODS if "_subset" not in m)
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -107,16 +121,41 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # two tangents (issue 31, item 3), plain and guided: around the one-tangent centred AFGFW's choice, 1e-4
     "afgfw_k2_centred": (3e-5, 1e-4, 3e-4),
     "afgfw_guided_centred": (3e-5, 1e-4, 3e-4),
+    # a subset of the parameters (SUBSET; issue 31): fixed before any subset run. Adam and MeZO one decade above
+    # their full-model choices at the centre (a few thousand parameters take larger steps: BitFit's rates are
+    # 1e-3-1e-2); the Frank-Wolfe methods from their centred full-model choice upwards, since an estimate over ~100x
+    # fewer parameters has ~100x less variance and should bear a larger alpha
+    "adam_subset": (3e-3, 1e-2, 3e-2),
+    "mezo_subset": (1e-4, 1e-3, 1e-2),
+    "frankwolfe_subset_centred": (1e-3, 3e-3, 1e-2),
+    "fgfw_subset_centred": (3e-5, 1e-4, 3e-4),
+    "afgfw_subset_centred": (1e-4, 3e-4, 1e-3),
+    "afgfw_k2_subset_centred": (1e-4, 3e-4, 1e-3),
+    "afgfw_guided_subset_centred": (1e-4, 3e-4, 1e-3),
+    # added after the subset's first run (every forward-gradient method stayed within 0.04 of the start while
+    # FrankWolfe on the exact gradient reached 2.54): AFGFW averaging over ~100 estimates instead of ~10; the grid
+    # of afgfw_subset_centred
+    "afgfw_avg001_subset_centred": (1e-4, 3e-4, 1e-3),
+    # added after that (bench/RESULTS.md): AFGFW in L2 balls, whose vertex -r d / ||d|| follows the whole estimate
+    # where the L1 ball's takes its largest entry; a wide grid, its step lengths being unlike the L1 ball's
+    "afgfw_l2_subset_centred": (1e-4, 1e-3, 1e-2),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
-PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2}  # every other method: 1
+PASSES_PER_STEP = {"mezo": 2, "afgfw_k2_centred": 2, "afgfw_guided_centred": 2, "mezo_subset": 2,
+                   "afgfw_k2_subset_centred": 2, "afgfw_guided_subset_centred": 2}  # every other method: 1
+# the *_subset methods' parameters (subset_params' kind), chosen by Adam's validation loss (bench/RESULTS.md)
+SUBSET = "ln_bias"
 SEEDS = (0, 1, 2)
 # the step sizes the text task chose on its validation split (bench/RESULTS.md, "Text" and the sections after it):
 # --model gpt2-small's fixed settings
 TEXT_CHOSEN = {"adam": 1e-3, "frankwolfe": 3e-3, "afgfw": 3e-4, "afgfw_activity": 3e-3, "fgfw": 1e-4, "mezo": 1e-4,
                "frankwolfe_centred": 1e-3, "afgfw_centred": 1e-4, "afgfw_activity_centred": 1e-4, "fgfw_centred": 3e-5,
-               "afgfw_activity_rms_centred": 1e-4, "afgfw_k2_centred": 3e-4, "afgfw_guided_centred": 1e-4}
+               "afgfw_activity_rms_centred": 1e-4, "afgfw_k2_centred": 3e-4, "afgfw_guided_centred": 1e-4,
+               # "Text: fine-tuning a subset of the parameters" (guided: at the edge, where it barely moves)
+               "adam_subset": 1e-2, "mezo_subset": 1e-2, "frankwolfe_subset_centred": 3e-3, "fgfw_subset_centred": 1e-4,
+               "afgfw_subset_centred": 3e-4, "afgfw_k2_subset_centred": 1e-4, "afgfw_guided_subset_centred": 3e-6,
+               "afgfw_avg001_subset_centred": 1e-4, "afgfw_l2_subset_centred": 1e-3}
 # --model gpt2-small's methods by default: MeZO first, the yardstick of the ratios
 MEZO_COMPARISON = ("mezo", "afgfw_centred", "fgfw_centred", "frankwolfe_centred", "adam")
 # --model: (GPT-2 architecture, batch size, context, pre-training steps, pre-training learning rate)
@@ -228,21 +267,54 @@ class MnistTask(Task):
 
 
 # -- methods -----------------------------------------------------------------------------------------------------------
+SUBSET_KINDS = ("ln_bias", "ln_bias_wpe", "ln_bias_attn_proj")
+
+
+def subset_params(model: nn.Module, kind: str = "ln_bias") -> list[nn.Parameter]:
+    """The parameters a ``*_subset`` method fine-tunes (BitFit-style), in ``model.parameters()`` order.
+
+    ``kind``: ``"ln_bias"``, every parameter of every ``nn.LayerNorm`` (weight and bias) and every parameter
+    whose name ends in ``bias`` (on the text task's GPT-2: 3,584 of 0.44 M); ``"ln_bias_wpe"`` adds the position
+    embedding (``wpe``, 8,192 more); ``"ln_bias_attn_proj"`` adds the attention's output projections (the
+    weights of the modules ``*.attn.c_proj``, 32,768 more). Picked by module type and parameter name, not by shape: a tied or
+    shared parameter appears once."""
+    if kind not in SUBSET_KINDS:
+        raise ValueError(f"kind must be one of {SUBSET_KINDS}, got {kind!r}")
+    chosen = set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if (isinstance(module, nn.LayerNorm) or name == "bias"
+                    or (kind == "ln_bias_wpe" and module_name.split(".")[-1] == "wpe")
+                    or (kind == "ln_bias_attn_proj" and module_name.endswith("attn.c_proj"))):
+                chosen.add(id(p))
+    return [p for p in model.parameters() if id(p) in chosen]
+
+
 def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int):
-    """step(batch) -> training loss of one step of ``method``."""
+    """step(batch) -> training loss of one step of ``method``.
+
+    A ``_subset`` method freezes (``requires_grad=False``) every parameter of ``model`` outside
+    ``subset_params(model, SUBSET)``: backprop computes no gradient for them, MeZO and the forward-gradient
+    optimizers never perturb nor move them."""
     import fgfw
 
+    if "_subset" in method:
+        keep = {id(p) for p in subset_params(model, SUBSET)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in keep)
+        method = method.replace("_subset", "")
+    params = [p for p in model.parameters() if p.requires_grad]
     if method == "mezo":
-        opt = MeZO(model.parameters(), lr=step_size, eps=1e-3, seed=seed)
+        opt = MeZO(params, lr=step_size, eps=1e-3, seed=seed)
         return lambda batch: opt.step(lambda: task.loss(model, batch))
     centred = method.endswith("_centred")
     method = method.removesuffix("_centred")
     # around 0: 2x the pre-trained row norm; centred: the pre-trained row plus CENTRED_SCALE x its norm
-    ball = fgfw.L1Ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
-    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "constraint": ball,
-               "center": "init" if centred else None}]
+    kind_of_ball = fgfw.L2Ball if method.startswith("afgfw_l2") else fgfw.L1Ball
+    ball = kind_of_ball.relative_to_init(CENTRED_SCALE if centred else 2.0, scope="row")
+    groups = [{"params": params, "constraint": ball, "center": "init" if centred else None}]
     if method in ("adam", "frankwolfe"):
-        opt = (torch.optim.Adam(model.parameters(), lr=step_size) if method == "adam" else
+        opt = (torch.optim.Adam(params, lr=step_size) if method == "adam" else
                fgfw.FrankWolfe(groups, constraint=ball, step_size=step_size, momentum=0.9))
 
         def step(batch):
@@ -259,7 +331,7 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     if method in ("afgfw_k2", "afgfw_guided"):
         options = dict(num_tangents=2, guided=method == "afgfw_guided")
     if kind is fgfw.AFGFW:
-        options["averaging_weight"] = 0.1
+        options["averaging_weight"] = 0.01 if method == "afgfw_avg001" else 0.1
     opt = kind(model, groups, constraint=ball, step_size=step_size, seed=seed, **options)
     per_example = method.startswith("afgfw_activity")
     return lambda batch: opt.step(lambda: task.loss(model, batch, per_example))
@@ -276,6 +348,25 @@ def pretrain(task: Task) -> nn.Module:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model
+
+
+def pretrain_cached(task: Task, path: str | None, model: str, quick: bool) -> tuple[nn.Module, bool]:
+    """(:func:`pretrain`'s model, whether it came from ``path``). The pre-training is deterministic (seed 0), so a
+    cached copy made with the same task, model, pre-training steps and torch is the model this run would make;
+    another key pre-trains again and replaces the file."""
+    key = dict(task=task.name, model=model, quick=quick, arch=getattr(task, "arch", None),
+               pretrain_steps=task.pretrain_steps, pretrain_lr=task.pretrain_lr, torch=torch.__version__)
+    if path and os.path.exists(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("key") == repr(key):
+            net = task.model()
+            net.load_state_dict(saved["state"])
+            return net.to(task.device), True
+    net = pretrain(task)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(dict(key=repr(key), state=net.state_dict()), path)
+    return net, False
 
 
 def peak_memory(task: Task, start: nn.Module, method: str, step_size: float, steps: int = 2) -> int:
@@ -386,12 +477,13 @@ def compare(task: Task, start: nn.Module, steps: dict[str, float], passes: int, 
 
 
 def main() -> None:
+    global SUBSET  # --subset: make_step reads it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("text", "mnist"), required=True)
     parser.add_argument("--data", default=os.path.join(HERE, "..", "..", "shared", "data", "mnist"),
                         help="MNIST IDX folder (task mnist)")
-    parser.add_argument("--methods", default=None, help="comma-separated (default: METHODS; gpt2-small: "
-                        "MEZO_COMPARISON)")
+    parser.add_argument("--methods", default=None, help="comma-separated (default: METHODS but the *_subset ones; "
+                        "gpt2-small: MEZO_COMPARISON)")
     parser.add_argument("--model", choices=tuple(TEXT_MODELS), default="byte",
                         help="the text task's model; gpt2-small: issue 31, item 4's comparison (the docstring)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -410,7 +502,16 @@ def main() -> None:
     parser.add_argument("--grid", action="append", default=[], metavar="METHOD=STEP,STEP,...",
                         help="a method's step sizes for this run instead of GRIDS' (a grid extended past its edge)")
     parser.add_argument("--select-only", action="store_true", help="the step-size selection only, no seeds")
+    parser.add_argument("--budgets", default="passes,seconds",
+                        help="the final runs' budgets, comma-separated: passes, seconds (a shared machine's seconds "
+                             "say little)")
+    parser.add_argument("--subset", choices=SUBSET_KINDS, default=SUBSET,
+                        help=f"the parameters the *_subset methods fine-tune (subset_params; default {SUBSET})")
+    parser.add_argument("--pretrained", default=None, metavar="FILE",
+                        help="a cache of the pre-trained model: loaded when FILE holds one made with the same task, "
+                             "model and pre-training steps, else pre-trained and saved there")
     args = parser.parse_args()
+    SUBSET = args.subset
     comparison = args.model != "byte"
     if args.task != "text" and (comparison or args.device != "cpu"):
         parser.error(f"--model {args.model} --device {args.device}: the text task only (got --task {args.task})")
@@ -426,7 +527,7 @@ def main() -> None:
     else:
         passes = args.passes or (4 if args.quick else 400 if args.task == "text" else 2000)
         seconds = args.seconds or (0.2 if args.quick else 10.0 if args.task == "text" else 4.0)
-    methods = args.methods.split(",") if args.methods else list(MEZO_COMPARISON if comparison else METHODS)
+    methods = args.methods.split(",") if args.methods else list(MEZO_COMPARISON if comparison else DEFAULT_METHODS)
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
     grids = {m: (TEXT_CHOSEN[m],) if comparison else GRIDS[m][1:2] if args.quick else GRIDS[m] for m in methods}
@@ -438,15 +539,19 @@ def main() -> None:
         if comparison and len(grids[method]) != 1:
             parser.error(f"--grid {spec!r}: --model {args.model} runs one step size per method")
     seeds = SEEDS[:1] if args.quick else SEEDS
+    budgets = args.budgets.split(",")
+    if not budgets or set(budgets) - {"passes", "seconds"}:
+        parser.error(f"--budgets {args.budgets!r}: passes, seconds or both")
 
     from fgfw.experiments import write_csv
 
     began = time.perf_counter()
-    start = pretrain(task)
+    start, cached = pretrain_cached(task, args.pretrained, args.model, args.quick)
     pretrain_seconds = time.perf_counter() - began
     start_val = task.evaluate(start, "val")[0]
-    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps, {pretrain_seconds:.0f} s), validation loss "
-          f"on the new task {start_val:.4f}", flush=True)
+    print(f"{task.name}: pre-trained ({task.pretrain_steps} Adam steps, {pretrain_seconds:.0f} s"
+          f"{', loaded from ' + args.pretrained if cached else ''}), validation loss on the new task {start_val:.4f}, "
+          f"test loss {task.evaluate(start, 'test')[0]:.4f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     if comparison:
         name = f"finetune_text_{args.model.replace('-', '_')}_{args.device}{args.suffix}"
@@ -471,7 +576,7 @@ def main() -> None:
         edge = len(grids[method]) > 1 and best in (grids[method][0], grids[method][-1])
         chosen[method] = (best, edge)
     for method in methods if not args.select_only else ():
-        for budget in ("passes", "seconds"):
+        for budget in budgets:
             for seed in seeds:
                 end, curve = fine_tune(task, start, method, chosen[method][0], seed, test=True,
                                        **{budget: passes if budget == "passes" else seconds})
@@ -499,6 +604,8 @@ def print_summary(ends: list[dict], chosen: dict, start_val: float, took: float)
     for method, (step_size, edge) in chosen.items():
         for budget in ("passes", "seconds"):
             runs = [e for e in ends if e["method"] == method and e["phase"] == budget]
+            if not runs:  # --budgets left it out
+                continue
             losses = [e["test_loss"] for e in runs]
             accs = [100 * e["test_accuracy"] for e in runs if e.get("test_accuracy") is not None]
             spread = lambda v: f"{statistics.fmean(v):.4f} +- {statistics.stdev(v):.4f}" if len(v) > 1 else \
