@@ -59,7 +59,10 @@ class LMTask:
 
 @pytest.mark.parametrize("method", ["afgfw_subset_centred", "afgfw_k2_subset_centred", "afgfw_guided_subset_centred",
                                     "afgfw_avg001_subset_centred", "afgfw_l2_subset_centred", "fgfw_subset_centred",
-                                    "frankwolfe_subset_centred", "mezo_subset", "adam_subset"])
+                                    "frankwolfe_subset_centred", "mezo_subset", "adam_subset",
+                                    "afgfw_l2_rescaled_subset_centred", "afgfw_l2_rescaled_wide_subset_centred",
+                                    "fgfw_l2_rescaled_wide_subset_centred",
+                                    "afgfw_avg001_l2_rescaled_wide_subset_centred"])
 def test_subset_method_moves_only_the_subset(method):
     import finetune
 
@@ -84,3 +87,54 @@ def test_subset_method_moves_only_the_subset(method):
             assert torch.equal(p.detach(), before[name]), f"{method} moved the frozen {name}"
     assert all(moved)  # every subset tensor: a vertex per row ball (a bias: one ball) at every step
     assert len(moved) == len(subset)
+
+
+@pytest.mark.parametrize("method, kind, scale, averaging", [
+    ("afgfw_l2_rescaled_subset_centred", "AFGFW", 0.5, 0.1),
+    ("afgfw_l2_rescaled_wide_subset_centred", "AFGFW", 5.0, 0.1),
+    ("fgfw_l2_rescaled_wide_subset_centred", "FGFW", 5.0, None),
+    ("afgfw_avg001_l2_rescaled_wide_subset_centred", "AFGFW", 5.0, 0.01)])
+def test_rescaled_methods_are_the_sets_and_steps_their_names_say(method, kind, scale, averaging):
+    """The ``_rescaled`` methods step by rescale="gradient" in centred L2 row balls, ``_wide`` ones of WIDE_SCALE x the
+    pre-trained norm: checked on the optimizer make_step builds, and on its first step, which from the centre of an
+    L2 ball is SGD's step alpha v on every ball (s - theta = -r v / ||v||, so min(alpha ||v|| / r, 1) (s - theta) is
+    -alpha v while alpha ||v|| <= r): each subset tensor moves along one direction by a length that does not depend on
+    its radius."""
+    import fgfw
+    import finetune
+
+    model = small_gpt2()
+    with torch.no_grad():
+        for p in finetune.subset_params(model, finetune.SUBSET):
+            p.add_(0.1 * torch.randn(p.shape))
+    subset = finetune.subset_params(model, finetune.SUBSET)
+    start = [p.detach().clone() for p in subset]
+    step = finetune.make_step(method, model, LMTask(), 1e-3, seed=0)
+    opt = step.optimizer
+    assert type(opt).__name__ == kind
+    (group,) = opt.param_groups
+    assert isinstance(group["constraint"], fgfw.L2Ball) and group["rescale"] == "gradient"
+    assert group.get("averaging_weight") == averaging
+    for p, radius in zip(group["params"], group["radii"]):
+        want = scale * p.detach().reshape(p.shape[0] if p.dim() > 1 else 1, -1).norm(dim=1).double()
+        torch.testing.assert_close(torch.as_tensor(radius, dtype=torch.float64).reshape(-1), want)
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    step((tokens[:, :-1], tokens[:, 1:]))
+    # the first step's move, divided by alpha, is v = gamma c u (AFGFW) or c u (FGFW): the same for any radius, so a
+    # second model whose balls are twice as wide moves the same (an alpha x distance step would move twice as far)
+    wide = small_gpt2()
+    wide.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p, p0 in zip(finetune.subset_params(wide, finetune.SUBSET), start):
+            p.copy_(p0)
+    before = finetune.WIDE_SCALE, finetune.CENTRED_SCALE
+    finetune.WIDE_SCALE, finetune.CENTRED_SCALE = 2 * before[0], 2 * before[1]
+    try:
+        step_wide = finetune.make_step(method, wide, LMTask(), 1e-3, seed=0)
+    finally:
+        finetune.WIDE_SCALE, finetune.CENTRED_SCALE = before
+    step_wide((tokens[:, :-1], tokens[:, 1:]))
+    for p, q, p0 in zip(subset, finetune.subset_params(wide, finetune.SUBSET), start):
+        moved, moved_wide = (p.detach() - p0).double(), (q.detach() - p0).double()
+        assert moved.norm() > 0
+        torch.testing.assert_close(moved_wide, moved, rtol=1e-4, atol=1e-9)

@@ -142,6 +142,24 @@ def test_the_first_quick_start_learns_as_the_readme_says():
     assert_in_sets(made[0])
 
 
+def test_the_fine_tuning_recipe_steps_like_sgd_from_the_centre():
+    """docs/usage.md's forward-gradient fine-tuning block: from the pre-trained weights (the centre of its L2 balls)
+    its first step is SGD's, theta_1 - theta_0 = -alpha v_1 with v_1 the momentum the step stored (rescale="gradient":
+    min(alpha ||v|| / r, 1) (s - theta) with s - theta = -r v / ||v||), and its steps stay in the balls."""
+    ns = stand_ins()
+    ns["params"] = list(ns["model"].parameters())
+    start = snapshot(ns)
+    (opt,) = run_collecting(block_with('rescale="gradient"', "averaging_weight=0.01"), ns)
+    alpha = opt.param_groups[0]["step_size"]
+    x, y = ns["x"], ns["y"]
+    opt.step(lambda: F.cross_entropy(ns["model"](x), y))
+    for p, p0 in zip(ns["params"], start):
+        v = opt.state[p]["momentum"]
+        assert v.abs().sum() > 0
+        torch.testing.assert_close(p.detach() - p0, -alpha * v, rtol=1e-4, atol=1e-7)
+    take_steps(opt, ns)
+
+
 @pytest.mark.filterwarnings("ignore:initial parameters have")
 def test_every_set_example_builds_an_optimizer_that_steps_in_its_set():
     kinds = set()
