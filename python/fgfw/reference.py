@@ -512,8 +512,9 @@ def fw_step_(vertex: Callable[[torch.Tensor, float, tuple[int, ...]], torch.Tens
     elif row_vertices is not None and row_numel and any(row_numel):
         # the row balls of a tensor at once (row_vertices: one batched computation instead of one per row)
         at = 0
+        counts = balls_per_tensor(balls, len(params))
         for t, p in enumerate(params):
-            count = sum(1 for ball in balls if ball[0] == t)
+            count = counts[t]
             n = row_numel[t]
             if n and p.numel():
                 rows = directions[t].double().reshape(-1, n)
@@ -632,8 +633,9 @@ def correct_by_gauge_(params: Sequence[torch.Tensor], balls, radii: Sequence[flo
         units.append(([(t, 0, p.numel()) for t, p in enumerate(params) if p.numel()], radii[0], gauge_parts))
     else:
         at = 0
+        counts = balls_per_tensor(balls, len(params))
         for t, p in enumerate(params):
-            count = sum(1 for ball in balls if ball[0] == t)
+            count = counts[t]
             n = row_numel[t] if row_numel else 0
             if row_gauges is not None and n and p.numel():  # the row balls of a tensor at once
                 index = torch.arange(p.numel()) // n
@@ -676,8 +678,9 @@ def _ball_sums(terms: list[torch.Tensor], balls, global_ball: bool, integer: boo
     if global_ball:
         return [total(torch.cat([x.cpu() for x in terms])).item()]
     out = []
+    counts = balls_per_tensor(balls, len(terms))
     for t, x in enumerate(terms):
-        count = sum(1 for b in balls if b[0] == t)
+        count = counts[t]
         if count:
             out.extend(total(x.cpu().reshape(count, -1)).tolist())
     return out
@@ -687,10 +690,15 @@ def _ball_elements(params, balls, global_ball: bool, scales) -> tuple[list[torch
     """Per tensor, the ball of each element (an index into radii; 0 for the global ball), and each ball's scale
     read from ``scales`` (1 where it is empty), as a float64 tensor on the CPU."""
     count = 1 if global_ball else len(balls)
-    ball_of = [torch.zeros(p.numel(), dtype=torch.int64, device=p.device) for p in params]
-    if not global_ball:
-        for b, (t, start, length) in enumerate(balls):
-            ball_of[t][start:start + length] = b
+    if global_ball:
+        ball_of = [torch.zeros(p.numel(), dtype=torch.int64, device=p.device) for p in params]
+    else:  # ball_layout: a tensor's balls tile it in order, so each element's ball is a run of its index
+        ball_of, first = [], 0
+        for p, held in zip(params, balls_per_tensor(balls, len(params))):
+            ids = torch.arange(first, first + held, device=p.device)
+            ball_of.append(ids.repeat_interleave(p.numel() // held) if held else
+                           torch.zeros(0, dtype=torch.int64, device=p.device))
+            first += held
     scale = torch.ones(count, dtype=torch.float64)
     if scales:
         _check_scales(scales, params, balls, global_ball)
@@ -704,7 +712,7 @@ def _check_scales(scales, params, balls, global_ball: bool) -> None:
         ok = len(scales) == 1 and scales[0].numel() == 1
         want = "one tensor of one element for the global ball"
     else:
-        counts = [sum(1 for t_, _, _ in balls if t_ == t) for t in range(len(params))]
+        counts = balls_per_tensor(balls, len(params))
         ok = len(scales) == len(params) and all(x.numel() == c for x, c in zip(scales, counts))
         want = f"one tensor per parameter with one scale per ball of it ({counts})"
     if not ok or any(x.dtype != torch.float64 for x in scales):
@@ -811,35 +819,49 @@ RESCALES = ("diameter", "gradient")
 
 def _rescaled_steps(rescale: str, alpha: float, params, directions, vertices, balls, radii, global_ball: bool,
                     row_numel, l2_diameter) -> list[torch.Tensor]:
-    """fw_step_'s step of every element (float64, per tensor): each ball's rescaled alpha (see fw_step_)."""
+    """fw_step_'s step of every element (float64, per tensor): each ball's rescaled alpha (see fw_step_). The balls of
+    a tensor are computed together (its rows as one (rows, n) array), on its device, with no host read."""
     if rescale not in RESCALES:
         raise ValueError(f"rescale must be None or one of {RESCALES}, got {rescale!r}")
     if rescale == "diameter" and l2_diameter is None:
         raise ValueError("rescale='diameter' needs the set's l2_diameter")
-    steps = [torch.full((d.numel(),), alpha, dtype=torch.float64, device=d.device) for d in directions]
 
-    def ball_step(d: torch.Tensor, theta: torch.Tensor, s: torch.Tensor, shape, r: float) -> float:
+    def ball_steps(d: torch.Tensor, theta: torch.Tensor, s: torch.Tensor, shape, rs: list) -> torch.Tensor:
+        """The step of each ball of one tensor (or of the global ball): ``d``, ``theta`` and ``s`` float64, one row
+        per ball (shape: a ball's shape), ``rs`` their radii."""
         if rescale == "diameter":
-            diameter = l2_diameter(shape, r)
-            return min(alpha / diameter, 1.0) if diameter > 0 else alpha
-        distance = float(torch.linalg.vector_norm(theta - s))
-        return min(alpha * float(torch.linalg.vector_norm(d)) / distance, 1.0) if distance > 0 else alpha
+            diameters = [l2_diameter(shape, r) for r in rs]
+            return torch.tensor([min(alpha / D, 1.0) if D > 0 else alpha for D in diameters], dtype=torch.float64,
+                                device=d.device)
+        distance = torch.linalg.vector_norm(theta - s, dim=1)
+        step = torch.clamp_max(alpha * torch.linalg.vector_norm(d, dim=1) / distance, 1.0)
+        return torch.where(distance > 0, step, alpha)  # a degenerate ball (theta = s) keeps alpha
 
     if global_ball:
+        steps = [torch.full((d.numel(),), alpha, dtype=torch.float64, device=d.device) for d in directions]
         live = [t for t, d in enumerate(directions) if d.numel()]
         if live:
-            cat = lambda xs: torch.cat([xs[t].double().reshape(-1) for t in live])  # noqa: E731
-            a = ball_step(cat(directions), cat([p.detach() for p in params]), cat(vertices),
-                          (sum(directions[t].numel() for t in live),), radii[0])
+            cat = lambda xs: torch.cat([xs[t].double().reshape(-1).to(directions[live[0]].device)  # noqa: E731
+                                        for t in live]).reshape(1, -1)
+            a = ball_steps(cat(directions), cat([p.detach() for p in params]), cat(vertices),
+                           (sum(directions[t].numel() for t in live),), [radii[0]])
             for t in live:
-                steps[t].fill_(a)
+                steps[t].copy_(a.expand(steps[t].numel()))
         return steps
-    for (t, start, length), r in zip(balls, radii):
-        if length:
-            shape = (length,) if length != params[t].numel() or (row_numel and row_numel[t]) else tuple(params[t].shape)
-            ball = slice(start, start + length)
-            steps[t][ball] = ball_step(directions[t][ball].double(), params[t].detach().reshape(-1)[ball].double(),
-                                       vertices[t][ball], shape, r)
+    steps = []
+    at = 0
+    counts = balls_per_tensor(balls, len(params))  # ball_layout: a tensor's balls tile it in order
+    for t, (p, d) in enumerate(zip(params, directions)):
+        count = counts[t]
+        n = d.numel() // count if count else 0
+        if n == 0:
+            steps.append(torch.full((d.numel(),), alpha, dtype=torch.float64, device=d.device))
+        else:
+            shape = (n,) if count > 1 or (row_numel and row_numel[t]) else tuple(p.shape)
+            rows = lambda x: x.double().reshape(count, n)  # noqa: E731
+            per_ball = ball_steps(rows(d), rows(p.detach()), rows(vertices[t]), shape, list(radii[at:at + count]))
+            steps.append(per_ball.repeat_interleave(n))
+        at += count
     return steps
 
 
@@ -851,6 +873,14 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
         return True
     device = tensors[0].device
     return bool(torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all())
+
+
+def balls_per_tensor(balls, count: int) -> list[int]:
+    """How many of ``balls`` (ball_layout's (tensor, start, length)) each of ``count`` tensors holds."""
+    counts = [0] * count
+    for ball in balls:
+        counts[ball[0]] += 1
+    return counts
 
 
 def ball_layout(numels: Sequence[int], global_ball: bool, row_numel: Sequence[int] = ()) -> list[tuple[int, int, int]]:
