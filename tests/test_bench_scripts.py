@@ -92,7 +92,7 @@ def test_finetune_mnist_quick(tmp_path):
     methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
                "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
                "afgfw_guided_centred", "afgfw_activity_l2_rescaled_centred", "afgfw_activity_l2_rescaled_wide_centred",
-               "afgfw_activity_avg001_l2_rescaled_wide_centred"}
+               "afgfw_activity_avg001_l2_rescaled_wide_centred", "afgfw_avg001_l2_rescaled_wide_centred"}
     # one selection run per method (one step size in --quick), then one seed at each budget
     assert sorted(e["phase"] for e in ends) == sorted(["select", "passes", "seconds"] * len(methods))
     for e in ends:
