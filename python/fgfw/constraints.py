@@ -77,6 +77,14 @@ def _unit_max_rows(d: torch.Tensor) -> torch.Tensor:
 
 _unit_max = reference._unit_max  # d / max|d_i| in float64 (one definition, the reference's)
 
+# Rows up to this many elements have their norms taken in one reduction per tensor (resolve_radii, make_feasible_),
+# which gives each row the same bits as reducing it alone; a longer row is reduced alone, as before: torch splits
+# a 1-D reduction that long across threads (at::internal::GRAIN_SIZE), which can change its last bits.
+ROW_BATCH_MAX = 32768
+# ... and the rows of a tensor are taken a block of about this many elements at a time, so that their float64
+# copies stay small beside a large embedding (a row's result does not depend on the block it is in).
+ROW_BLOCK_ELEMENTS = 1 << 22
+
 # Each registered parameter's module (the one that holds it directly), for the radius rules of balls that
 # start at zero (Constraint.resolve_radii): filled by the optimizers that are given a module and by
 # fgfw.param_groups. id(parameter) -> (weak parameter, weak module): registering a model keeps none of it
@@ -291,6 +299,17 @@ class Constraint:
         return self.gauge(torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors
                           else torch.zeros(0, dtype=torch.float64))
 
+    # optional: (B, n) float64 -> (B,) float64, norm([row]) of every row in one reduction (see row_norms)
+    _batched_row_norms = None
+
+    def row_norms(self, m: torch.Tensor) -> torch.Tensor:
+        """``norm([row])`` of every row of the (B, n) float64 matrix ``m``, as a float64 tensor: in one reduction
+        where the set has one (``_batched_row_norms``) and the rows are at most ROW_BATCH_MAX long, else a row
+        at a time."""
+        if self._batched_row_norms is not None and m.shape[1] <= ROW_BATCH_MAX:
+            return self._batched_row_norms(m)
+        return torch.tensor([self.norm([row]) for row in m], dtype=torch.float64, device=m.device)
+
     def shrink_into_(self, tensors: Sequence[torch.Tensor], radius: float) -> bool:
         """Moves tensors outside the ball (taken as one vector) into it; returns whether they moved. Norm
         balls rescale (the direction is kept), then shrink by a few ulps until the stored values are in."""
@@ -320,6 +339,23 @@ class Constraint:
         """The balls of ``p`` under scope "row": its slices along dim 0 (views), or ``p`` itself below 2-D."""
         p = p.detach()  # views of the same memory, without autograd history
         return list(p.unbind(0)) if p.dim() >= 2 else [p]
+
+    @staticmethod
+    def row_count(p: torch.Tensor) -> int:
+        """``len(rows(p))``, without making the views."""
+        return p.shape[0] if p.dim() >= 2 else 1
+
+    @staticmethod
+    def row_matrix(p: torch.Tensor) -> torch.Tensor:
+        """``p``'s row balls as the rows of a (row_count(p), n) matrix (a view where p is contiguous)."""
+        p = p.detach()
+        return p.reshape(p.shape[0], math.prod(p.shape[1:])) if p.dim() >= 2 else p.reshape(1, p.numel())
+
+    @staticmethod
+    def _row_blocks(m: torch.Tensor) -> list[slice]:
+        """The rows of the (B, n) matrix m in blocks of about ROW_BLOCK_ELEMENTS elements."""
+        step = max(1, ROW_BLOCK_ELEMENTS // max(m.shape[1], 1))
+        return [slice(i, i + step) for i in range(0, m.shape[0], step)]
 
     def _rule_value(self, tensors: Sequence[torch.Tensor]) -> tuple[float, float, str]:
         """(the rule's radius, the initial norm it is taken from, that norm's name) for one ball's values."""
@@ -370,15 +406,8 @@ class Constraint:
         Linear's zeroed bias the rule on its U(-1/sqrt(fan_in), 1/sqrt(fan_in)) draws."""
         if self.scope == "row":
             if self.radius is not None:
-                return [[self.radius] * len(self.rows(p)) for p in params]
-            out = []
-            for i, p in enumerate(params):
-                rows = self.rows(p)
-                draws = init_draws(p) if any(not bool(row.any()) for row in rows) else []
-                out.append([self._rule_radius([row], f"row {j} of parameter {i} (shape {tuple(p.shape)})",
-                                              [[self.rows(d)[j]] for d in draws])
-                            for j, row in enumerate(rows)])
-            return out
+                return [[self.radius] * self.row_count(p) for p in params]
+            return [self._row_rule_radii(p, i) for i, p in enumerate(params)]
         if self.radius is not None:
             return [self.radius] if self.global_ball else [self.radius] * len(params)
         if self.global_ball:
@@ -387,30 +416,133 @@ class Constraint:
                                   [[d] for d in init_draws(p)] if not bool(p.detach().any()) else [])
                 for i, p in enumerate(params)]
 
+    def _row_rule_values(self, m: torch.Tensor, shape: tuple[int, ...]) -> tuple[list, list] | None:
+        """``_rule_value([row])[:2]`` of every row of the (B, n) float64 matrix ``m`` (rows of ``shape``): the rule's
+        radii and the norms they are taken from, with the same arithmetic per row; None where they must be
+        taken a row at a time (a set with a rule of its own, a ball with no diameter)."""
+        # Simplex's relative rule takes the sum of |theta| (its _row_rule_norms)
+        if type(self)._rule_value not in (Constraint._rule_value, Simplex._rule_value):
+            return None
+        if self.rule == "init_diameter":
+            unit = self.l2_diameter(shape, 1.0)
+            if not unit > 0:
+                return None  # _rule_value raises its error for the first row
+            squares = m.pow(2).sum(dim=1).tolist() if m.shape[1] <= ROW_BATCH_MAX else \
+                [float(row.pow(2).sum()) for row in m]
+            l2 = [math.sqrt(v) for v in squares]  # math.sqrt per row, as _rule_value
+            return [2.0 * self.relative_scale * v / unit for v in l2], l2
+        norms = self._row_rule_norms(m).tolist()
+        return [self.relative_scale * v for v in norms], norms
+
+    def _row_rule_norms(self, m: torch.Tensor) -> torch.Tensor:
+        """The norm of every row that the rule relative_to_init multiplies (_rule_value's ``norm``)."""
+        return self.row_norms(m)
+
+    def _row_rule_radii(self, p: torch.Tensor, i: int) -> list[float]:
+        """The rule's radius of every row ball of ``p`` (parameter ``i``): the norms of all rows in one reduction; a row
+        whose norm gives no radius (all zero, or not finite) goes through _rule_radius as before, with the draws
+        of p's module where any row of p is all zero."""
+        m = self.row_matrix(p)
+        shape = tuple(p.shape[1:]) if p.dim() >= 2 else tuple(p.shape)
+        parts = [self._row_rule_values(m[rows].double(), shape) for rows in self._row_blocks(m)]
+        values = None if None in parts else \
+            ([v for part in parts for v in part[0]], [v for part in parts for v in part[1]])
+        radii, draws = [], None
+        for j in range(m.shape[0]):
+            if values is not None:
+                value, norm = values[0][j], values[1][j]
+                if norm > 0 and math.isfinite(norm) and value > 0 and math.isfinite(value):
+                    radii.append(value)  # what _rule_radius returns for this row
+                    continue
+            if draws is None:  # read once per tensor, as before
+                draws = init_draws(p) if not bool(m.ne(0).any(dim=1).all()) else []
+            row = p.detach()[j] if p.dim() >= 2 else p.detach()
+            radii.append(self._rule_radius([row], f"row {j} of parameter {i} (shape {tuple(p.shape)})",
+                                           [[d[j] if d.dim() >= 2 else d] for d in draws]))
+        return radii
+
     def make_feasible_(self, params: Sequence[torch.Tensor], radii: Sequence[float],
                        what: str = "initial parameters") -> None:
         """Moves an infeasible start into the set (with one warning beyond rounding, which calls the tensors
         ``what`` and counts the balls moved); feasible parameters are untouched."""
-        if self.scope == "row":
-            params = [row for p in params for row in self.rows(p)]
-            radii = [r for per_tensor in radii for r in per_tensor]
-        groups = [list(params)] if self.global_ball else [[p] for p in params]
-        moved = []
-        for tensors, r in zip(groups, radii):
-            excess = self._excess(tensors, r)
-            if not excess:
-                continue
-            before = self.norm(tensors)
-            self.shrink_into_(tensors, r)
-            # an excess within rounding (e.g. a radius set from these very weights) is removed silently, and so
-            # is the shrink that relative_to_init(scale < 1) asks for
-            if excess > 1e-6 and not self._shrinks_by_rule():
-                moved.append((before, r, tensors))
+        if self.scope == "row" and type(self)._excess is Constraint._excess \
+                and type(self).shrink_into_ is Constraint.shrink_into_:
+            # a norm ball's rows: every row of a tensor at once (a GPT-2 has 100,000), as the loop below would
+            found = [self._shrink_rows_into_(p, r) for p, r in zip(params, radii)]
+            moved = sum(count for count, _ in found)
+            first = next((first for _, first in found if first is not None), None)
+            balls = sum(self.row_count(p) for p in params)
+        else:
+            if self.scope == "row":
+                params = [row for p in params for row in self.rows(p)]
+                radii = [r for per_tensor in radii for r in per_tensor]
+            groups = [list(params)] if self.global_ball else [[p] for p in params]
+            moved, first, balls = 0, None, len(groups)
+            for tensors, r in zip(groups, radii):
+                excess = self._excess(tensors, r)
+                if not excess:
+                    continue
+                before = self.norm(tensors)
+                self.shrink_into_(tensors, r)
+                # an excess within rounding (e.g. a radius set from these very weights) is removed silently, and
+                # so is the shrink that relative_to_init(scale < 1) asks for
+                if excess > 1e-6 and not self._shrinks_by_rule():
+                    moved += 1
+                    first = first or (before, r, tensors)
         if moved:  # one warning for all the balls (a row ball per row: thousands in a model)
-            message = self._moved_message(*moved[0], what)
-            if len(moved) > 1:
-                message += f" [the first of {len(moved)} balls of the {len(groups)} ({self.scope} scope) moved]"
+            message = self._moved_message(*first, what)
+            if moved > 1:
+                message += f" [the first of {moved} balls of the {balls} ({self.scope} scope) moved]"
             warnings.warn(message, stacklevel=_user_stacklevel())
+
+    def _shrink_rows_into_(self, p: torch.Tensor, radii: Sequence[float]) -> tuple[int, tuple | None]:
+        """make_feasible_'s loop (_excess, then shrink_into_) over the row balls of ``p`` at once, for a set that
+        rescales (the base _excess and shrink_into_), with the same values: returns how many balls moved beyond
+        rounding and the first one's (norm before, radius, [row]), or None."""
+        x = p.detach()
+        m = self.row_matrix(x)  # read only: the rows moved are written back through x
+        if not m.numel():
+            return 0, None  # no rows, or rows of no elements (norm 0): in every ball
+        r = torch.tensor(radii, dtype=torch.float64, device=x.device)
+        norms = torch.cat([self.row_norms(m[rows].double()) for rows in self._row_blocks(m)])
+        out = torch.nonzero(~(norms <= r)).squeeze(1)  # the rows outside their balls (_excess != 0)
+        if not out.numel():
+            return 0, None
+        moved, first = 0, None
+        for block in torch.split(out, max(1, ROW_BLOCK_ELEMENTS // m.shape[1])):
+            count, found = self._rescale_rows_(x, m, block, norms[block], r[block])
+            moved, first = moved + count, first or found
+        return moved, first
+
+    def _rescale_rows_(self, x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, before: torch.Tensor,
+                       r: torch.Tensor) -> tuple[int, tuple | None]:
+        """shrink_into_ of the rows ``out`` of x (m: x's row matrix; ``before``: their norms > r): see
+        _shrink_rows_into_."""
+        excess = torch.where(torch.isfinite(before), before / r - 1, math.inf)
+        # t.mul_(radius / norm) per row: the factor in float64, rounded to the parameter's op dtype (float32 for
+        # float16/bfloat16, as a Python scalar is there), the product rounded to the parameter's dtype
+        op_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        rows = (m[out].to(op_dtype) * (r / before).to(op_dtype).unsqueeze(1)).to(x.dtype)
+        # then shrink_into_'s few ulps, on the rows whose stored norm is still above r, up to 16 times each
+        shrink, left = 1.0 - 4.0 * torch.finfo(x.dtype).eps, torch.arange(out.numel(), device=out.device)
+        for _ in range(16):
+            left = left[~(self.row_norms(rows[left].double()) <= r[left])]
+            if not left.numel():
+                break
+            rows[left] = rows[left].mul(shrink)
+        with torch.no_grad():
+            if x.dim() >= 2:
+                x[out] = rows.view((out.numel(),) + tuple(x.shape[1:]))
+            else:
+                x.copy_(rows.view(x.shape))
+        if self._shrinks_by_rule():
+            return 0, None  # make_feasible_'s loop counts no ball then
+        counted = torch.nonzero(excess > 1e-6).squeeze(1)
+        if not counted.numel():
+            return 0, None
+        k = int(counted[0])
+        row = x[int(out[k])] if x.dim() >= 2 else x
+        return counted.numel(), (float(before[k]), float(r[k]), [row])
 
     def _shrinks_by_rule(self) -> bool:
         """Whether the radius rule itself puts the initial point outside the ball: relative_to_init(scale < 1)."""
@@ -441,6 +573,10 @@ class L1Ball(Constraint):
     def norm(self, tensors: Sequence[torch.Tensor]) -> float:
         return float(sum(t.detach().double().abs().sum() for t in tensors))
 
+    @staticmethod
+    def _batched_row_norms(m: torch.Tensor) -> torch.Tensor:
+        return m.abs().sum(dim=1)
+
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return reference.l1_lmo(d, radius)
 
@@ -468,6 +604,10 @@ class L2Ball(Constraint):
     def gauge(self, x: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(x))
 
+    @staticmethod
+    def _batched_row_norms(m: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(m, dim=1)
+
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         # d / max|d_i| first (inside lp_vertex): the norm squares its entries, which underflow to 0 below
         # ~1e-154 in float64 (giving the zero vector, no minimiser for d != 0) and overflow above ~1e154
@@ -494,6 +634,10 @@ class LInfBall(Constraint):
 
     def gauge(self, x: torch.Tensor) -> float:
         return float(x.abs().max()) if x.numel() else 0.0
+
+    @staticmethod
+    def _batched_row_norms(m: torch.Tensor) -> torch.Tensor:
+        return m.abs().amax(dim=1) if m.shape[1] else torch.zeros(m.shape[0], dtype=m.dtype, device=m.device)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return -radius * torch.sign(d)
@@ -532,6 +676,9 @@ class LpBall(Constraint):
 
     def gauge(self, x: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(x, ord=self.p))
+
+    def _batched_row_norms(self, m: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(m, ord=self.p, dim=1)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return reference.lp_vertex(d, radius, self.p)
@@ -580,6 +727,12 @@ class KSparsePolytope(Constraint):
             return 0.0
         return max(float(x.abs().sum()) / min(self.k, x.numel()), float(x.abs().max()))
 
+    def _batched_row_norms(self, m: torch.Tensor) -> torch.Tensor:
+        if not m.shape[1]:
+            return torch.zeros(m.shape[0], dtype=m.dtype, device=m.device)
+        a = m.abs()
+        return torch.maximum(a.sum(dim=1) / min(self.k, m.shape[1]), a.amax(dim=1))
+
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         return reference.ksparse_vertex(d, radius, self.k)
 
@@ -620,6 +773,18 @@ class Simplex(Constraint):
             norm = sum(float(t.detach().double().abs().sum()) for t in tensors)
             return self.relative_scale * norm, norm, "sum of |theta|"
         return super()._rule_value(tensors)
+
+    def _row_rule_norms(self, m: torch.Tensor) -> torch.Tensor:
+        if self.rule != "relative_to_init":
+            return super()._row_rule_norms(m)
+        if m.shape[1] > ROW_BATCH_MAX:  # see ROW_BATCH_MAX
+            return torch.tensor([float(row.abs().sum()) for row in m], dtype=torch.float64, device=m.device)
+        return m.abs().sum(dim=1)
+
+    @staticmethod
+    def _batched_row_norms(m: torch.Tensor) -> torch.Tensor:  # gauge: the sum of a non-negative row, else inf
+        return torch.where(m.amin(dim=1) >= 0, m.sum(dim=1), math.inf) if m.shape[1] else \
+            torch.zeros(m.shape[0], dtype=m.dtype, device=m.device)
 
     def vertex(self, d: torch.Tensor, radius: float, shape: tuple[int, ...]) -> torch.Tensor:
         s = torch.zeros_like(d)

@@ -58,7 +58,7 @@ def check_radii(constraint: Constraint, params: list[torch.Tensor], radii: objec
         if not isinstance(radii, (list, tuple)) or len(radii) != len(params):
             numbers(radii, len(params), "lists of row radii (one per tensor)")
         for p, per_tensor in zip(params, radii):
-            numbers(per_tensor, len(L1Ball.rows(p)), f"radii for the rows of a tensor of shape {tuple(p.shape)}")
+            numbers(per_tensor, L1Ball.row_count(p), f"radii for the rows of a tensor of shape {tuple(p.shape)}")
     else:
         numbers(radii, len(params), "radii (one per tensor)")
 
