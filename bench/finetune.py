@@ -21,6 +21,9 @@ and ``afgfw_guided_centred`` (issue 31, item 3) are ``afgfw_centred`` with two t
 guided (AFGFW's ``guided=True``: one tangent along the running direction v, one random tangent orthogonal to it).
 ``afgfw_avg001_*`` is AFGFW with averaging weight 0.01 instead of 0.1 (a running direction over ~100 estimates),
 ``afgfw_l2_*`` AFGFW in L2 balls (per row, 0.5 x the pre-trained row's L2 norm, centred) instead of L1 balls.
+``_rescaled`` steps with ``rescale="gradient"`` (a step as long as alpha x the estimate, alpha a learning rate),
+``_wide`` in balls of WIDE_SCALE x the row's norm, and ``_decay`` scales the k-th step's alpha by 1 - (k - 1) / n,
+down to 0 at the end of a budget of n steps (passes only: a ``_decay`` method has no wall-clock run).
 The ``*_subset`` methods (issue 31, BitFit-style) fine-tune only ``subset_params(model, SUBSET)`` (``--subset``:
 every LayerNorm weight and bias and every bias, 3,584 of the text model's 0.44 M parameters, or that plus ``wpe`` or
 the attention's output projections) and freeze the rest: the forward-gradient methods perturb and step only the
@@ -101,7 +104,8 @@ METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "fra
            "afgfw_l2_rescaled_wide_subset_centred", "fgfw_l2_rescaled_wide_subset_centred",
            "afgfw_avg001_l2_rescaled_wide_subset_centred", "afgfw_activity_l2_rescaled_centred",
            "afgfw_activity_l2_rescaled_wide_centred", "afgfw_activity_avg001_l2_rescaled_wide_centred",
-           "afgfw_avg001_l2_rescaled_wide_centred")
+           "afgfw_avg001_l2_rescaled_wide_centred", "afgfw_activity_avg001_l2_rescaled_wide_decay_centred",
+           "afgfw_avg001_l2_rescaled_wide_decay_subset_centred")
 # a run without --methods: the subset methods (issue 31) are asked for by name
 DEFAULT_METHODS = tuple(m for m in METHODS if "_subset" not in m)
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
@@ -162,6 +166,10 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # the text subset's best (afgfw_avg001_l2_rescaled_wide_subset_centred) on every parameter (d 122x larger): the
     # rescaled step alpha ||v|| grows as sqrt(d), so its grid one decade lower
     "afgfw_avg001_l2_rescaled_wide_centred": (1e-4, 3e-4, 1e-3, 3e-3),
+    # the best of each task with its step decayed linearly to 0 over the run's passes (``_decay``): the grids of the
+    # same methods with a constant step
+    "afgfw_activity_avg001_l2_rescaled_wide_decay_centred": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    "afgfw_avg001_l2_rescaled_wide_decay_subset_centred": (1e-3, 3e-3, 1e-2, 3e-2),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
@@ -316,8 +324,13 @@ def subset_params(model: nn.Module, kind: str = "ln_bias") -> list[nn.Parameter]
     return [p for p in model.parameters() if id(p) in chosen]
 
 
-def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int):
+def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int,
+              decay_steps: int | None = None):
     """step(batch) -> training loss of one step of ``method``.
+
+    A ``_decay`` method (a Frank-Wolfe one) steps with ``step_size x (1 - (k - 1) / decay_steps)`` at its k-th step,
+    from ``step_size`` at the first down to 0 after ``decay_steps`` steps: the linear decay to zero over a known
+    budget that noisy SGD is usually run with.
 
     A ``_subset`` method freezes (``requires_grad=False``) every parameter of ``model`` outside
     ``subset_params(model, SUBSET)``: backprop computes no gradient for them, MeZO and the forward-gradient
@@ -329,6 +342,12 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
         for p in model.parameters():
             p.requires_grad_(id(p) in keep)
         method = method.replace("_subset", "")
+    if "_decay" in method:
+        if decay_steps is None or decay_steps < 1:
+            raise ValueError(f"{method}: a decaying step needs decay_steps >= 1 (a budget in steps), got {decay_steps}")
+        alpha = step_size
+        step_size = lambda k: alpha * max(0.0, 1.0 - (k - 1) / decay_steps)  # noqa: E731
+        method = method.replace("_decay", "")
     params = [p for p in model.parameters() if p.requires_grad]
     if method == "mezo":
         opt = MeZO(params, lr=step_size, eps=1e-3, seed=seed)
@@ -449,9 +468,10 @@ def fine_tune(task: Task, start: nn.Module, method: str, step_size: float, seed:
         held = torch.cuda.memory_allocated(task.device)
     model = copy.deepcopy(start)
     torch.manual_seed(seed)
-    step = make_step(method, model, task, step_size, seed)
-    generator = torch.Generator().manual_seed(1000 + seed)
     per_step = PASSES_PER_STEP.get(method, 1)
+    step = make_step(method, model, task, step_size, seed,
+                     decay_steps=-(-passes // per_step) if "_decay" in method and passes else None)
+    generator = torch.Generator().manual_seed(1000 + seed)
     done = elapsed = 0.0
     step_seconds = []
     diverged = False
@@ -610,6 +630,9 @@ def main() -> None:
         chosen[method] = (best, edge)
     for method in methods if not args.select_only else ():
         for budget in budgets:
+            if budget == "seconds" and "_decay" in method:
+                print(f"  {method}: no {seconds:g} s runs (its step decays over a budget of passes)", flush=True)
+                continue
             for seed in seeds:
                 end, curve = fine_tune(task, start, method, chosen[method][0], seed, test=True,
                                        **{budget: passes if budget == "passes" else seconds})

@@ -138,3 +138,41 @@ def test_rescaled_methods_are_the_sets_and_steps_their_names_say(method, kind, s
         moved, moved_wide = (p.detach() - p0).double(), (q.detach() - p0).double()
         assert moved.norm() > 0
         torch.testing.assert_close(moved_wide, moved, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["afgfw_avg001_l2_rescaled_wide_decay_subset_centred",
+                                    "afgfw_activity_avg001_l2_rescaled_wide_decay_centred"])
+def test_decay_methods_take_the_constant_methods_steps_scaled_down_to_zero(method):
+    """A ``_decay`` method is its constant-step method with the k-th step's alpha scaled by 1 - (k - 1) / n: its
+    first step is the constant method's bit for bit (the same tangent and alpha), and after n steps it stops moving
+    (alpha 0, while the running direction still changes; what remains is the rounding of the exact iterate to float32,
+    ~1e-11 here, against ~1e-4 for a step). Without a budget it is refused."""
+    import finetune
+
+    constant = method.replace("_decay", "")
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    batches = [(tokens[:, :-1], tokens[:, 1:])] * 3
+
+    def run(name, **kwargs):
+        model = small_gpt2()
+        with torch.no_grad():  # off the centre's exact zero biases, as a pre-trained model is
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        step = finetune.make_step(name, model, LMTask(), 3e-3, seed=0, **kwargs)
+        trace = [[p.detach().clone() for p in model.parameters()]]
+        for batch in batches:
+            step(batch)
+            trace.append([p.detach().clone() for p in model.parameters()])
+        return trace
+
+    decayed, steady = run(method, decay_steps=2), run(constant)
+    for a, b in zip(decayed[1], steady[1]):
+        assert torch.equal(a, b)  # step 1: alpha x 1
+    def largest_move(after, before):
+        return max(float((a - b).abs().max()) for a, b in zip(after, before))
+
+    assert largest_move(decayed[2], decayed[1]) > 1e-6  # step 2: alpha x 1/2
+    assert largest_move(decayed[2], steady[2]) > 1e-6  # ... not the constant method's alpha
+    assert largest_move(decayed[3], decayed[2]) < 1e-6 * largest_move(decayed[2], decayed[1])  # step 3: alpha x 0
+    with pytest.raises(ValueError, match="decay_steps"):
+        finetune.make_step(method, small_gpt2(), LMTask(), 3e-3, seed=0)
