@@ -92,7 +92,8 @@ def test_finetune_mnist_quick(tmp_path):
     methods = {"adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "frankwolfe_centred", "afgfw_centred",
                "afgfw_activity_centred", "fgfw_centred", "afgfw_activity_rms_centred", "afgfw_k2_centred",
                "afgfw_guided_centred", "afgfw_activity_l2_rescaled_centred", "afgfw_activity_l2_rescaled_wide_centred",
-               "afgfw_activity_avg001_l2_rescaled_wide_centred", "afgfw_avg001_l2_rescaled_wide_centred"}
+               "afgfw_activity_avg001_l2_rescaled_wide_centred", "afgfw_avg001_l2_rescaled_wide_centred",
+               "afgfw_activity_rms_avg001_l2_rescaled_wide_centred"}
     decaying = {"afgfw_activity_avg001_l2_rescaled_wide_decay_centred"}
     # one selection run per method (one step size in --quick), then one seed at each budget; a step that decays
     # over the passes has no wall-clock run
@@ -144,13 +145,18 @@ def test_finetune_gpt2_small_comparison_quick(tmp_path):
 
 @needs("transformers")
 def test_activity_layer_error_quick(tmp_path):
-    """bench/activity_layer_error.py at its smallest: a row per parameter and tangent scale, each a finite
+    """bench/activity_layer_error.py at its smallest: a row per parameter and tangent scale with every layer perturbed,
+    and again with the LayerNorms or the other layers alone (each parameter in the one that holds it), each a finite
     positive error (an estimate equal to the gradient would be a broken comparison)."""
     run("bench/activity_layer_error.py", "--quick", "--out", str(tmp_path))
     with open(tmp_path / "activity_layer_error.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["tangent_scale"] for r in rows} == {"unit", "rms"}
-    assert len(rows) == 2 * len({r["parameter"] for r in rows}) and any(".ln_1." in r["parameter"] for r in rows)
+    names = {r["parameter"] for r in rows}
+    assert len(rows) == 4 * len(names) and any(".ln_1." in name for name in names)
+    norms = {r["parameter"] for r in rows if r["sites"] == "layernorms"}
+    assert norms == {n for n in names if n.split(".")[-2] in ("ln_1", "ln_2", "ln_f")}
+    assert {r["parameter"] for r in rows if r["sites"] == "others"} == names - norms
     assert all(0 < float(r["relative_error_one_tangent"]) < float("inf") for r in rows)
 
 
