@@ -22,7 +22,8 @@ guided (AFGFW's ``guided=True``: one tangent along the running direction v, one 
 ``afgfw_avg001_*`` is AFGFW with averaging weight 0.01 instead of 0.1 (a running direction over ~100 estimates),
 ``afgfw_l2_*`` AFGFW in L2 balls (per row, 0.5 x the pre-trained row's L2 norm, centred) instead of L1 balls.
 ``_rescaled`` steps with ``rescale="gradient"`` (a step as long as alpha x the estimate, alpha a learning rate),
-``_wide`` in balls of WIDE_SCALE x the row's norm, and ``_decay`` scales the k-th step's alpha by 1 - (k - 1) / n,
+``_wide`` in balls of WIDE_SCALE x the row's norm, ``_split`` perturbs the LayerNorms and the other layers in
+alternate passes (two optimizers taking turns; LayerNorm models only, asked for by name), and ``_decay`` scales the k-th step's alpha by 1 - (k - 1) / n,
 down to 0 at the end of a budget of n steps (passes only: a ``_decay`` method has no wall-clock run).
 The ``*_subset`` methods (issue 31, BitFit-style) fine-tune only ``subset_params(model, SUBSET)`` (``--subset``:
 every LayerNorm weight and bias and every bias, 3,584 of the text model's 0.44 M parameters, or that plus ``wpe`` or
@@ -105,9 +106,10 @@ METHODS = ("adam", "frankwolfe", "afgfw", "afgfw_activity", "fgfw", "mezo", "fra
            "afgfw_avg001_l2_rescaled_wide_subset_centred", "afgfw_activity_l2_rescaled_centred",
            "afgfw_activity_l2_rescaled_wide_centred", "afgfw_activity_avg001_l2_rescaled_wide_centred",
            "afgfw_avg001_l2_rescaled_wide_centred", "afgfw_activity_avg001_l2_rescaled_wide_decay_centred",
-           "afgfw_avg001_l2_rescaled_wide_decay_subset_centred")
-# a run without --methods: the subset methods (issue 31) are asked for by name
-DEFAULT_METHODS = tuple(m for m in METHODS if "_subset" not in m)
+           "afgfw_avg001_l2_rescaled_wide_decay_subset_centred", "afgfw_activity_rms_avg001_l2_rescaled_wide_centred",
+           "afgfw_activity_rms_split_centred")
+# a run without --methods: the subset methods and the split one (issue 31; LayerNorm models) are asked for by name
+DEFAULT_METHODS = tuple(m for m in METHODS if "_subset" not in m and "_split" not in m)
 GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning rates; the rest: alpha)
     "adam": (1e-4, 3e-4, 1e-3),
     "frankwolfe": (3e-3, 1e-2, 3e-2),
@@ -170,6 +172,12 @@ GRIDS = {  # step sizes tried on the validation split (Adam and MeZO: learning r
     # same methods with a constant step
     "afgfw_activity_avg001_l2_rescaled_wide_decay_centred": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     "afgfw_avg001_l2_rescaled_wide_decay_subset_centred": (1e-3, 3e-3, 1e-2, 3e-2),
+    # the text model's best full-model step rule with the activity estimator and its LayerNorm-scaled tangents (issue
+    # 31, item 2): the grid on which the activity estimator's divergence was measured
+    "afgfw_activity_rms_avg001_l2_rescaled_wide_centred": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2),
+    # fewer perturbed sites per pass (issue 31, item 2): the LayerNorms and the other layers in alternate passes
+    # (``_split``), RMS-scaled tangents; afgfw_activity_rms_centred's grid
+    "afgfw_activity_rms_split_centred": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2),
 }
 # the centred methods' balls: one L1 ball per row around the pre-trained row, of this fraction of its L1 norm
 CENTRED_SCALE = 0.5
@@ -374,14 +382,32 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
     options = dict(estimator="activity") if method.startswith("afgfw_activity") else {}
     if "_rescaled" in method:
         options["rescale"] = "gradient"
-    if method == "afgfw_activity_rms":
+    if method.startswith("afgfw_activity_rms"):
         options["tangent_scale"] = "rms"
     if method in ("afgfw_k2", "afgfw_guided"):
         options = dict(num_tangents=2, guided=method == "afgfw_guided")
     if kind is fgfw.AFGFW:
         options["averaging_weight"] = 0.01 if "_avg001" in method else 0.1
-    opt = kind(model, groups, constraint=ball, step_size=step_size, seed=seed, **options)
     per_example = method.startswith("afgfw_activity")
+    if "_split" in method:
+        # fewer perturbed sites per pass: one optimizer for the LayerNorms, one for the rest, taking turns, so that
+        # each pass's directional derivatives carry the noise of half the model's outputs (seeds apart: their own
+        # tangents)
+        norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+        halves = [[p for p in params if id(p) in norms], [p for p in params if id(p) not in norms]]
+        if not all(halves):
+            raise ValueError(f"{method}: needs LayerNorms and other layers to take turns, got "
+                             f"{len(halves[0])} LayerNorm and {len(halves[1])} other parameters")
+        opts = [kind(model, [dict(groups[0], params=half)], constraint=ball, step_size=step_size,
+                     seed=seed + 1000 * i, **options) for i, half in enumerate(halves)]
+        taken = [0]
+
+        def step(batch):
+            taken[0] += 1
+            return opts[(taken[0] - 1) % 2].step(lambda: task.loss(model, batch, per_example))
+        step.optimizers = opts
+        return step
+    opt = kind(model, groups, constraint=ball, step_size=step_size, seed=seed, **options)
 
     def step(batch):
         return opt.step(lambda: task.loss(model, batch, per_example))

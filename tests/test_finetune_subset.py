@@ -1,5 +1,6 @@
-"""bench/finetune.py's subset fine-tuning (issue 31): ``subset_params`` picks every LayerNorm and bias parameter, and
-a ``*_subset`` method moves those and leaves every other parameter bit for bit as it was."""
+"""bench/finetune.py's issue-31 methods. First its subset fine-tuning: ``subset_params`` picks every LayerNorm and
+bias parameter, and a ``*_subset`` method moves those and leaves every other parameter bit for bit as it was; then
+the settings and steps that the other methods' names stand for."""
 import importlib.util
 import os
 import sys
@@ -176,3 +177,56 @@ def test_decay_methods_take_the_constant_methods_steps_scaled_down_to_zero(metho
     assert largest_move(decayed[3], decayed[2]) < 1e-6 * largest_move(decayed[2], decayed[1])  # step 3: alpha x 0
     with pytest.raises(ValueError, match="decay_steps"):
         finetune.make_step(method, small_gpt2(), LMTask(), 3e-3, seed=0)
+
+
+def test_activity_rms_rescaled_method_is_the_estimator_and_step_its_name_says():
+    """``afgfw_activity_rms_avg001_l2_rescaled_wide_centred``: AFGFW with the activity estimator and RMS-scaled tangents,
+    averaging 0.01, rescale="gradient" in centred L2 row balls of WIDE_SCALE x the pre-trained norm, on every
+    parameter."""
+    import fgfw
+    import finetune
+
+    model = small_gpt2()
+    with torch.no_grad():  # no all-zero bias, whose radius relative_to_init would take from elsewhere
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    opt = finetune.make_step("afgfw_activity_rms_avg001_l2_rescaled_wide_centred", model, LMTask(), 1e-3,
+                             seed=0).optimizer
+    assert type(opt).__name__ == "AFGFW" and opt.estimator == "activity" and opt.tangent_scale == "rms"
+    (group,) = opt.param_groups
+    assert group["params"] == list(model.parameters())
+    assert group["center"] == "init" and group["rescale"] == "gradient" and group["averaging_weight"] == 0.01
+    assert isinstance(group["constraint"], fgfw.L2Ball)
+    for p, radius in zip(group["params"], group["radii"]):
+        want = finetune.WIDE_SCALE * p.detach().reshape(p.shape[0] if p.dim() > 1 else 1, -1).norm(dim=1).double()
+        torch.testing.assert_close(torch.as_tensor(radius, dtype=torch.float64).reshape(-1), want)
+
+
+def test_split_method_perturbs_and_steps_the_layernorms_and_the_rest_in_turn():
+    """``afgfw_activity_rms_split_centred``: two AFGFW optimizers (activity estimator, RMS-scaled tangents), one over
+    the LayerNorms' parameters and one over every other parameter, taking turns: the first step moves every
+    LayerNorm tensor and nothing else, the second every other tensor and no LayerNorm. A model without LayerNorms is
+    refused."""
+    import finetune
+
+    model = small_gpt2()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    norms = {n for n, _ in model.named_parameters() if n.split(".")[-2] in ("ln_1", "ln_2", "ln_f")}
+    step = finetune.make_step("afgfw_activity_rms_split_centred", model, LMTask(), 1e-3, seed=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ln_opt, rest_opt = step.optimizers
+    assert {names[id(p)] for g in ln_opt.param_groups for p in g["params"]} == norms
+    assert {names[id(p)] for g in rest_opt.param_groups for p in g["params"]} == set(names.values()) - norms
+    for opt in step.optimizers:
+        assert opt.estimator == "activity" and opt.tangent_scale == "rms" and opt.param_groups[0]["center"] == "init"
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    for turn in (norms, set(names.values()) - norms):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        step((tokens[:, :-1], tokens[:, 1:]))
+        moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+        assert moved == turn
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="LayerNorm"):
+        finetune.make_step("afgfw_activity_rms_split_centred", mlp, LMTask(), 1e-3, seed=0)
