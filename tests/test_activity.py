@@ -605,6 +605,43 @@ def test_state_dict_keeps_the_estimator_and_resumes_bit_identically():
         assert torch.equal(p, q)
 
 
+def test_state_dict_keeps_the_tangent_scale_and_resumes_bit_identically():
+    """A run with tangent_scale="rms" resumed by an optimizer built with the default ("unit") goes on with the saved
+    scale, as it does with the saved estimator: the resumed step is the uninterrupted one bit for bit. A state that
+    names no scale (saved before the option existed) is a unit-tangent run's; a bad one is refused."""
+    model, x, y = mlp_and_batch()
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              estimator="activity")
+    opt = AFGFW(model, tangent_scale="rms", **kw)
+    closure = lambda: F.cross_entropy(model(x), y, reduction="none")  # noqa: E731
+    opt.step(closure)
+    saved, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    assert saved["fgfw"]["tangent_scale"] == "rms"
+    opt.step(closure)
+    after = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(saved_model)
+    resumed = AFGFW(model, **kw)
+    resumed.load_state_dict(saved)
+    assert resumed.tangent_scale == "rms"
+    resumed.step(closure)
+    for p, q in zip(model.parameters(), after):
+        assert torch.equal(p, q)
+    old = copy.deepcopy(saved)
+    del old["fgfw"]["tangent_scale"]
+    unit = AFGFW(model, tangent_scale="rms", **kw)
+    unit.load_state_dict(old)
+    assert unit.tangent_scale == "unit"
+    for bad in ("std", None):
+        state = copy.deepcopy(saved)
+        state["fgfw"]["tangent_scale"] = bad
+        with pytest.raises(ValueError, match="tangent_scale"):
+            AFGFW(model, **kw).load_state_dict(state)
+    weight = copy.deepcopy(saved)
+    weight["fgfw"]["estimator"] = "weight"
+    with pytest.raises(ValueError, match="tangent_scale"):
+        AFGFW(model, **kw).load_state_dict(weight)
+
+
 def test_bad_input_is_refused_early():
     model, x, y = mlp_and_batch()
     ball = L1Ball(radius=10.0)

@@ -136,11 +136,11 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
 
     def _extra_state(self) -> dict:
         return dict(super()._extra_state(), seed=self.seed, tangent=self.tangent, num_tangents=self.num_tangents,
-                    estimator=self.estimator)
+                    estimator=self.estimator, tangent_scale=self.tangent_scale)
 
     def _check_extra_state(self, extra: dict) -> None:
-        # a state saved before the estimator existed has none: it is the weight estimator's
-        super()._check_extra_state(dict({"estimator": "weight"}, **extra))
+        # a state saved before the estimator (or tangent_scale) existed has none: the weight estimator's (unit tangents)
+        super()._check_extra_state(dict({"estimator": "weight", "tangent_scale": "unit"}, **extra))
         seed, tangent, num_tangents = extra["seed"], extra["tangent"], extra["num_tangents"]
         estimator = extra.get("estimator", "weight")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -154,6 +154,14 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if estimator != "activity" and self.recompute_inputs:
             raise ValueError(f"state_dict's estimator is {estimator!r}, but this optimizer was built with "
                              f"recompute_inputs=True, which applies to estimator='activity' only")
+        # a state saved before tangent_scale existed has none: unit tangents
+        tangent_scale = extra.get("tangent_scale", "unit")
+        if not isinstance(tangent_scale, str) or tangent_scale not in activity.TANGENT_SCALES:
+            raise ValueError(f"state_dict's tangent_scale must be one of {activity.TANGENT_SCALES}, "
+                             f"got {tangent_scale!r}")
+        if tangent_scale != "unit" and estimator != "activity":
+            raise ValueError(f"state_dict's tangent_scale is {tangent_scale!r}, which applies to estimator='activity', "
+                             f"but its estimator is {estimator!r}")
         if estimator == "activity":  # every parameter must be held by a module (raises ValueError naming it)
             activity.perturbed_layers(self.module, [p for g in self.param_groups for p in g["params"]])
 
@@ -161,6 +169,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         super()._load_extra_state(extra)
         self.seed, self.tangent, self.num_tangents = int(extra["seed"]), extra["tangent"], int(extra["num_tangents"])
         self.estimator = extra.get("estimator", "weight")
+        self.tangent_scale = extra.get("tangent_scale", "unit")  # the saved run's, as the estimator
 
     def _guarded(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """``closure`` with a clear error if it calls ``backward()`` or ``torch.autograd.grad`` (torch's own
