@@ -82,7 +82,7 @@ def main() -> None:
             print(f"  {name:30s} rms {rms:7.4f}  ||dL_b/dz||^2 {energy:9.3e}  share {share / sum(sigma):6.1%}")
     with torch.enable_grad():
         exact = dict(zip(map(id, params), torch.autograd.grad(closure().mean(), params)))
-    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    norms = finetune.layernorm_params(model)
     sites = {"all": params, "layernorms": [p for p in params if id(p) in norms],
              "others": [p for p in params if id(p) not in norms]}
     rows = []

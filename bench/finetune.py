@@ -332,6 +332,11 @@ def subset_params(model: nn.Module, kind: str = "ln_bias") -> list[nn.Parameter]
     return [p for p in model.parameters() if id(p) in chosen]
 
 
+def layernorm_params(model: nn.Module) -> set[int]:
+    """The ids of every ``nn.LayerNorm``'s parameters (a ``_split`` method's first half)."""
+    return {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+
+
 def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed: int,
               decay_steps: int | None = None):
     """step(batch) -> training loss of one step of ``method``.
@@ -393,7 +398,7 @@ def make_step(method: str, model: nn.Module, task: Task, step_size: float, seed:
         # fewer perturbed sites per pass: one optimizer for the LayerNorms, one for the rest, taking turns, so that
         # each pass's directional derivatives carry the noise of half the model's outputs (seeds apart: their own
         # tangents)
-        norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+        norms = layernorm_params(model)
         halves = [[p for p in params if id(p) in norms], [p for p in params if id(p) not in norms]]
         if not all(halves):
             raise ValueError(f"{method}: needs LayerNorms and other layers to take turns, got "
@@ -459,7 +464,7 @@ def peak_memory(task: Task, start: nn.Module, method: str, step_size: float, ste
 
     def run():
         model = copy.deepcopy(start)
-        step = make_step(method, model, task, step_size, 0)
+        step = make_step(method, model, task, step_size, 0, decay_steps=steps if "_decay" in method else None)
         for batch in batches:
             try:
                 step(batch)

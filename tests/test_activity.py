@@ -585,47 +585,43 @@ def test_recompute_refuses_a_closure_that_changes_between_passes():
         AFGFW(model, constraint=L1Ball(radius=10.0), recompute_inputs=True)
 
 
-def test_state_dict_keeps_the_estimator_and_resumes_bit_identically():
+def save_step_and_resume(saved_kw, resumed_kw):
+    """An activity AFGFW built with ``saved_kw`` takes a step and saves its state, then a second step; from the saved
+    model and state, one built with ``resumed_kw`` loads it and takes that second step. Returns (the saved state, the
+    resumed optimizer, the model, whether the resumed step equals the uninterrupted one bit for bit)."""
     model, x, y = mlp_and_batch()
-    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
-              num_tangents=2, estimator="activity")
-    opt = AFGFW(model, **kw)
+    opt = AFGFW(model, **saved_kw)
     closure = lambda: F.cross_entropy(model(x), y, reduction="none")  # noqa: E731
     opt.step(closure)
     saved, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-    assert saved["fgfw"]["estimator"] == "activity"
     opt.step(closure)
     after = [p.detach().clone() for p in model.parameters()]
     model.load_state_dict(saved_model)
-    resumed = AFGFW(model, **dict(kw, estimator="weight"))
+    resumed = AFGFW(model, **resumed_kw)
     resumed.load_state_dict(saved)
-    assert resumed.estimator == "activity"
     resumed.step(closure)
-    for p, q in zip(model.parameters(), after):
-        assert torch.equal(p, q)
+    return saved, resumed, model, all(torch.equal(p, q) for p, q in zip(model.parameters(), after))
+
+
+def test_state_dict_keeps_the_estimator_and_resumes_bit_identically():
+    kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
+              num_tangents=2, estimator="activity")
+    saved, resumed, _, same = save_step_and_resume(kw, dict(kw, estimator="weight"))
+    assert saved["fgfw"]["estimator"] == "activity"
+    assert resumed.estimator == "activity"
+    assert same
 
 
 def test_state_dict_keeps_the_tangent_scale_and_resumes_bit_identically():
     """A run with tangent_scale="rms" resumed by an optimizer built with the default ("unit") goes on with the saved
     scale, as it does with the saved estimator: the resumed step is the uninterrupted one bit for bit. A state that
     names no scale (saved before the option existed) is a unit-tangent run's; a bad one is refused."""
-    model, x, y = mlp_and_batch()
     kw = dict(constraint=L1Ball.relative_to_init(3.0, scope="row"), step_size=0.05, averaging_weight=0.2, seed=5,
               estimator="activity")
-    opt = AFGFW(model, tangent_scale="rms", **kw)
-    closure = lambda: F.cross_entropy(model(x), y, reduction="none")  # noqa: E731
-    opt.step(closure)
-    saved, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    saved, resumed, model, same = save_step_and_resume(dict(kw, tangent_scale="rms"), kw)
     assert saved["fgfw"]["tangent_scale"] == "rms"
-    opt.step(closure)
-    after = [p.detach().clone() for p in model.parameters()]
-    model.load_state_dict(saved_model)
-    resumed = AFGFW(model, **kw)
-    resumed.load_state_dict(saved)
     assert resumed.tangent_scale == "rms"
-    resumed.step(closure)
-    for p, q in zip(model.parameters(), after):
-        assert torch.equal(p, q)
+    assert same
     old = copy.deepcopy(saved)
     del old["fgfw"]["tangent_scale"]
     unit = AFGFW(model, tangent_scale="rms", **kw)

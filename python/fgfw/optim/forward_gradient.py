@@ -40,6 +40,17 @@ def _batch_weight(batch_size: object) -> float:
     return float(batch_size)
 
 
+def _check_tangent_scale(tangent_scale: object, estimator: object, where: str) -> None:
+    """``ValueError`` unless ``tangent_scale`` is a known scale that fits the estimator (``where``: the message's
+    prefix for a loaded state)."""
+    if not isinstance(tangent_scale, str) or tangent_scale not in activity.TANGENT_SCALES:
+        raise ValueError(f"{where}tangent_scale must be one of {activity.TANGENT_SCALES}, got {tangent_scale!r}")
+    if tangent_scale != "unit" and estimator != "activity":
+        raise ValueError(f"{where}tangent_scale={tangent_scale!r} applies to estimator='activity' (the weight "
+                         f"estimator's tangents are the stream's own, N(0, I) or Rademacher), got "
+                         f"estimator={estimator!r}")
+
+
 def _check_guided(guided: object, num_tangents: object, estimator: object, where: str) -> None:
     """``TypeError`` (a loaded state: ``ValueError``, as for its other entries) or ``ValueError`` unless AFGFW's
     ``guided`` fits its other arguments (``where``: the message's prefix for a loaded state)."""
@@ -70,11 +81,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
             raise ValueError(f"num_tangents must be an integer >= 1, got {num_tangents!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-        if tangent_scale not in activity.TANGENT_SCALES:
-            raise ValueError(f"tangent_scale must be one of {activity.TANGENT_SCALES}, got {tangent_scale!r}")
-        if tangent_scale != "unit" and estimator != "activity":
-            raise ValueError(f"tangent_scale={tangent_scale!r} applies to estimator='activity' (the weight estimator's "
-                             f"tangents are the stream's own, N(0, I) or Rademacher)")
+        _check_tangent_scale(tangent_scale, estimator, "")
         if recompute_inputs and estimator != "activity":
             raise ValueError("recompute_inputs=True applies to estimator='activity' (the weight estimator keeps no "
                              "inputs to recompute)")
@@ -154,14 +161,7 @@ class _ForwardGradientFrankWolfe(_FrankWolfeBase):
         if estimator != "activity" and self.recompute_inputs:
             raise ValueError(f"state_dict's estimator is {estimator!r}, but this optimizer was built with "
                              f"recompute_inputs=True, which applies to estimator='activity' only")
-        # a state saved before tangent_scale existed has none: unit tangents
-        tangent_scale = extra.get("tangent_scale", "unit")
-        if not isinstance(tangent_scale, str) or tangent_scale not in activity.TANGENT_SCALES:
-            raise ValueError(f"state_dict's tangent_scale must be one of {activity.TANGENT_SCALES}, "
-                             f"got {tangent_scale!r}")
-        if tangent_scale != "unit" and estimator != "activity":
-            raise ValueError(f"state_dict's tangent_scale is {tangent_scale!r}, which applies to estimator='activity', "
-                             f"but its estimator is {estimator!r}")
+        _check_tangent_scale(extra.get("tangent_scale", "unit"), estimator, "state_dict's ")
         if estimator == "activity":  # every parameter must be held by a module (raises ValueError naming it)
             activity.perturbed_layers(self.module, [p for g in self.param_groups for p in g["params"]])
 
